@@ -1,0 +1,68 @@
+"""Shared fixtures: tiny random Hugging Face checkpoints and the embedded SmolLM2."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+# Tiny shapes that still exercise GQA (4 query heads over 2 KV heads) and several layers.
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=False,
+            # A wider init than the default 0.02 gives peaked logits, so greedy choices
+            # are not decided by rounding noise.
+            initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+FAMILIES = {
+    "llama": ("LlamaConfig", {}),
+    "llama3-rope": ("LlamaConfig", dict(rope_scaling=dict(
+        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=64), rope_theta=500000.0)),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen3": ("Qwen3Config", {}),
+    "mistral": ("MistralConfig", dict(sliding_window=None)),
+}
+
+
+def make_tiny_hf(family: str, path) -> "torch.nn.Module":
+    import transformers
+
+    cls_name, extra = FAMILIES[family]
+    config = getattr(transformers, cls_name)(**TINY, **extra)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # biases start at zero; make them count (Qwen2's q/k/v bias)
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0.0, 0.5)
+    model.generation_config.pad_token_id = 0
+    model.save_pretrained(path, safe_serialization=True)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_hf(tmp_path_factory):
+    """family -> (directory, transformers model) for every tiny family, built lazily."""
+    built: dict = {}
+
+    def get(family: str):
+        if family not in built:
+            path = tmp_path_factory.mktemp(f"tiny-{family}")
+            built[family] = (path, make_tiny_hf(family, path))
+        return built[family]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def smollm():
+    from vegas_core import load_model
+
+    return load_model("smollm2-135m", device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def smollm_path():
+    from vegas_core.loading.embedded import embedded_path
+
+    return embedded_path("smollm2-135m")

@@ -1,0 +1,130 @@
+"""Attention metadata and the attention implementations it dispatches to.
+
+Full, verify and draft forwards run the same model code; they differ only in the
+``AttentionMeta`` they are given:
+
+- ``full``: causal attention over the whole cache (prefill chunks, vanilla decode).
+- ``verify``: the same, for the γ+1 rows of a speculative verify window.
+- ``draft``: sparse attention over per-layer index lists of prefix slots, plus every slot
+  from ``tail_start`` up to the query's own position (tokens written since the selection).
+
+The PyTorch reference below is the ground truth; faster kernels plug in behind
+``attend`` with the same contract.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from vegas_core.cache import KVCache
+
+MODES = ("full", "verify", "draft")
+
+
+@dataclass
+class SparseSelection:
+    """Prefix slots a draft attends to, per layer and sequence.
+
+    indices: [L, B, G, K] slot ids; G = 1 (one set per layer, shared by all heads) or
+        G = H_kv (one set per KV head). Entries past ``counts`` are padding.
+    counts: [L, B] number of valid entries per (layer, sequence).
+    tail_start: [B] slots in [tail_start, own position] are always attended.
+    """
+
+    indices: torch.Tensor
+    counts: torch.Tensor
+    tail_start: torch.Tensor
+
+    def layer_mask(self, layer: int, kv_len: int) -> torch.Tensor:
+        """Boolean [B, G, kv_len]: True where a prefix slot is selected."""
+        idx = self.indices[layer]  # [B, G, K]
+        k = idx.shape[-1]
+        valid = (torch.arange(k, device=idx.device) < self.counts[layer][:, None, None]).expand_as(idx)
+        hits = torch.zeros(*idx.shape[:2], kv_len, dtype=torch.int32, device=idx.device)
+        # scatter_add, not scatter: a padding entry may repeat a valid slot.
+        hits.scatter_add_(-1, idx.clamp(0, kv_len - 1), valid.to(torch.int32))
+        return hits > 0
+
+
+@dataclass
+class AttentionMeta:
+    """What one forward's attention may see.
+
+    positions: [B, T] position of each query row; its K/V are written to that slot.
+    kv_len: static bound on the slots read, [0, kv_len).
+    """
+
+    mode: str
+    positions: torch.Tensor
+    kv_len: int
+    sliding_window: int | None = None
+    sparse: SparseSelection | None = None
+    _causal: torch.Tensor | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"attention mode must be one of {MODES}, got {self.mode!r}")
+        if (self.mode == "draft") != (self.sparse is not None):
+            raise ValueError("draft attention needs a SparseSelection, other modes none")
+
+    @classmethod
+    def full(cls, positions: torch.Tensor, kv_len: int, sliding_window: int | None = None):
+        return cls("full", positions, kv_len, sliding_window)
+
+    @classmethod
+    def verify(cls, positions: torch.Tensor, kv_len: int, sliding_window: int | None = None):
+        return cls("verify", positions, kv_len, sliding_window)
+
+    @classmethod
+    def draft(cls, positions: torch.Tensor, kv_len: int, sparse: SparseSelection,
+              sliding_window: int | None = None):
+        return cls("draft", positions, kv_len, sliding_window, sparse)
+
+    def causal_mask(self) -> torch.Tensor:
+        """Boolean [B, T, S]: slot s is at or before the query's position (and inside
+        the sliding window, if the model has one). Built once per forward."""
+        if self._causal is None:
+            slots = torch.arange(self.kv_len, device=self.positions.device)
+            pos = self.positions[:, :, None]
+            mask = slots <= pos
+            if self.sliding_window is not None:
+                mask &= slots > pos - self.sliding_window
+            self._causal = mask
+        return self._causal
+
+    def mask(self, layer: int) -> torch.Tensor:
+        """Boolean [B, G, 1, T, S] for ``layer``; G is 1 or H_kv."""
+        causal = self.causal_mask()[:, None]  # [B, 1, T, S]
+        if self.sparse is None:
+            return causal[:, :, None]
+        selected = self.sparse.layer_mask(layer, self.kv_len)[:, :, None, :]  # [B, G, 1, S]
+        slots = torch.arange(self.kv_len, device=self.positions.device)
+        recent = slots >= self.sparse.tail_start[:, None, None, None]  # [B, 1, 1, S]
+        return ((selected | recent) & causal)[:, :, None]
+
+
+def reference_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """Masked GQA attention in plain PyTorch, softmax in float32.
+
+    q: [B, T, H, D]; k, v: [B, H_kv, S, D]; mask: [B, G, 1, T, S] with G in {1, H_kv}.
+    Returns [B, T, H, D].
+    """
+    b, t, h, d = q.shape
+    h_kv = k.shape[1]
+    q = q.view(b, t, h_kv, h // h_kv, d).permute(0, 2, 3, 1, 4)  # [B, H_kv, group, T, D]
+    scores = torch.einsum("bkgtd,bksd->bkgts", q, k).float() * (1.0 / math.sqrt(d))
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    out = torch.einsum("bkgts,bksd->bkgtd", probs, v)  # [B, H_kv, group, T, D]
+    return out.permute(0, 3, 1, 2, 4).reshape(b, t, h, d)
+
+
+def attend(q: torch.Tensor, cache: KVCache, layer: int, meta: AttentionMeta) -> torch.Tensor:
+    """Attention of q ([B, T, H, D]) over ``layer``'s cache as ``meta`` allows."""
+    k, v = cache.layer(layer, meta.kv_len)
+    return reference_attention(q, k, v, meta.mask(layer))

@@ -1,0 +1,61 @@
+"""Static, preallocated KV cache.
+
+One slot per token position (page size one): the K/V of the token at position p of
+sequence b live in slot p. Writing at a position that was written before overwrites it,
+so rolling back is only a matter of moving a sequence's length back.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """K and V for every layer, shape ``[L, B, H_kv, S_max, D]``.
+
+    ``lengths[b]`` (on the cache's device) counts the valid slots of sequence b: slots
+    ``[0, lengths[b])`` hold real tokens, anything beyond is stale and never attended.
+    Shapes never change after construction, so a decode step can be captured in a CUDA
+    graph.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        batch_size: int,
+        max_len: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        shape = (num_layers, batch_size, num_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self._batch_index = torch.arange(batch_size, device=device)[:, None]  # [B, 1]
+
+    @property
+    def batch_size(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
+
+    def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store K/V of new tokens at their positions.
+
+        positions: [B, T]; k, v: [B, T, H_kv, D]
+        """
+        # Advanced indices around a slice put their dims first: the target is [B, T, H_kv, D].
+        self.k[layer][self._batch_index, :, positions] = k
+        self.v[layer][self._batch_index, :, positions] = v
+
+    def layer(self, layer: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of one layer over slots [0, kv_len): each [B, H_kv, kv_len, D]."""
+        return self.k[layer, :, :, :kv_len], self.v[layer, :, :, :kv_len]
+
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2

@@ -1,0 +1,143 @@
+"""``vegas``: run the engine from the command line (``vegas generate``)."""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
+
+from vegas_core.errors import VegasError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="The Vegas engine: load a model and generate.",
+)
+stderr = Console(stderr=True)
+
+EXIT_INTERRUPTED = 130
+
+
+def _is(exc: BaseException, class_name: str) -> bool:
+    # Newer typer vendors its own click copy, so match click's exceptions by class name.
+    return any(c.__name__ == class_name for c in type(exc).__mro__)
+
+
+def run_app(app: typer.Typer, argv: list[str] | None = None, prog_name: str | None = None) -> int:
+    """Run a typer app with the project's error contract.
+
+    Bad input (VegasError, usage errors): one line on stderr, exit code 2. Anything else
+    is a bug: one line and exit code 1. ``--debug`` anywhere shows the traceback.
+    """
+    argv = sys.argv[1:] if argv is None else argv
+    debug = "--debug" in argv
+    try:
+        result = app(args=argv, standalone_mode=False, prog_name=prog_name)
+        return result if isinstance(result, int) else 0
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except VegasError as e:
+        if debug:
+            traceback.print_exc()
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    except Exception as e:
+        if _is(e, "Exit"):
+            return e.exit_code
+        if _is(e, "Abort"):
+            print("interrupted", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        if _is(e, "NoArgsIsHelpError"):
+            print(e.format_message(), file=sys.stderr)
+            return 2
+        if _is(e, "UsageError"):
+            ctx = getattr(e, "ctx", None)
+            hint = f" (see {ctx.command_path} --help)" if ctx else ""
+            print(f"error: {e.format_message()}{hint}", file=sys.stderr)
+            return 2
+        # Anything else is a bug, not bad input.
+        if debug:
+            traceback.print_exc()
+        print(f"internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback)",
+              file=sys.stderr)
+        return 1
+
+
+@app.callback()
+def _root() -> None:
+    """The Vegas engine: load a model and generate."""
+
+
+def _progress() -> Progress:
+    return Progress(
+        TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(),
+        TextColumn("{task.completed}/{task.total} tok"), TimeRemainingColumn(),
+        console=stderr, transient=True,
+    )
+
+
+@app.command()
+def generate(
+    model: str = typer.Option("smollm2-135m", help="Embedded name, .gguf file, HF directory or hub id, or dummy:<preset>."),
+    prompt: Optional[str] = typer.Option(None, help="The prompt text."),
+    prompt_file: Optional[Path] = typer.Option(None, help="Read the prompt from this file."),
+    max_new_tokens: int = typer.Option(128, help="Most tokens to generate."),
+    temperature: float = typer.Option(0.0, help="0 = greedy."),
+    top_p: float = typer.Option(1.0, help="Nucleus sampling mass (1 disables)."),
+    top_k: int = typer.Option(0, help="Keep the k most likely tokens (0 disables)."),
+    seed: int = typer.Option(0, help="Seed of the sampling generator."),
+    chat: bool = typer.Option(False, help="Wrap the prompt in the model's chat template."),
+    ignore_eos: bool = typer.Option(False, help="Keep generating past EOS (for timing)."),
+    device: str = typer.Option("auto", help="cpu, cuda, cuda:N or auto."),
+    dtype: str = typer.Option("auto", help="float32, bfloat16, float16 or auto (bf16 on GPU, fp32 on CPU)."),
+    debug: bool = typer.Option(False, help="Show tracebacks."),
+) -> None:
+    """Generate text from one prompt and report decode speed."""
+    from vegas_core import generate as run_generate
+    from vegas_core import load_model
+
+    if (prompt is None) == (prompt_file is None):
+        raise VegasError("give exactly one of --prompt or --prompt-file")
+    if prompt_file is not None:
+        if not prompt_file.is_file():
+            raise VegasError(f"prompt file not found: {prompt_file}")
+        prompt = prompt_file.read_text(encoding="utf-8", errors="replace")
+    with stderr.status(f"loading {model} ..."):
+        loaded = load_model(model, device=device, dtype=dtype)
+    stderr.print(f"model: {loaded.label} on {loaded.device} ({str(loaded.dtype).removeprefix('torch.')})")
+    if chat and loaded.tokenizer is not None:
+        prompt = loaded.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+
+    with _progress() as bar:
+        tasks: dict[str, int] = {}
+
+        def progress(phase: str, done: int, total: int) -> None:
+            if phase not in tasks:
+                tasks[phase] = bar.add_task(phase, total=total)
+            bar.update(tasks[phase], completed=done)
+
+        result = run_generate(loaded, [prompt], max_new_tokens, temperature=temperature,
+                              top_p=top_p, top_k=top_k, seed=seed, ignore_eos=ignore_eos,
+                              progress=progress)
+    text = result.texts[0] if result.texts else " ".join(map(str, result.tokens[0]))
+    typer.echo(text)
+    s = result.stats
+    stderr.print(
+        f"prompt {s.prompt_tokens[0]} tok, prefill {s.prefill_seconds:.2f} s; "
+        f"generated {s.new_tokens[0]} tok, decode {s.tokens_per_second:.1f} tok/s"
+    )
+
+
+def main() -> None:
+    sys.exit(run_app(app, prog_name="vegas"))
+
+
+if __name__ == "__main__":
+    main()

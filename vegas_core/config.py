@@ -1,0 +1,172 @@
+"""ModelConfig: the one description of a transformer's shape and variant flags.
+
+Filled from a Hugging Face ``config.json``, from GGUF metadata, or from a dummy
+preset. Architecture differences (Qwen2's qkv bias, Qwen3's q/k RMSNorm, Llama 3's
+RoPE scaling) are flags here, never separate model code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from vegas_core.errors import VegasError
+
+# Hugging Face model_type -> our family. Mistral is a Llama with an optional sliding window.
+HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+# "freq_factors": per-frequency divisors stored in a GGUF file (rope_freqs.weight).
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
+
+
+@dataclass
+class ModelConfig:
+    name: str
+    family: str  # "llama" | "qwen2" | "qwen3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    # {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, ...} or None
+    rope_scaling: dict[str, Any] | None = None
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise VegasError(
+                f"model config: num_heads {self.num_heads} is not a multiple of "
+                f"num_kv_heads {self.num_kv_heads}; the config is inconsistent"
+            )
+        rope_type = (self.rope_scaling or {}).get("rope_type", "default")
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise VegasError(
+                f"RoPE scaling '{rope_type}' is not supported (supported: "
+                f"{', '.join(SUPPORTED_ROPE_TYPES)}); use a model without it"
+            )
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head (GQA)."""
+        return self.num_heads // self.num_kv_heads
+
+    def num_parameters(self) -> int:
+        """Parameter count implied by the shape (embeddings counted once if tied)."""
+        d, h, kv, hd = self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
+        attn = d * h * hd + 2 * d * kv * hd + h * hd * d
+        if self.qkv_bias:
+            attn += h * hd + 2 * kv * hd
+        mlp = 3 * d * self.intermediate_size
+        norms = 2 * d + (2 * hd if self.qk_norm else 0)
+        embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * (attn + mlp + norms) + embed + d
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any], name: str) -> "ModelConfig":
+        """Build from a parsed Hugging Face ``config.json``."""
+        model_type = hf.get("model_type")
+        if model_type not in HF_MODEL_TYPES:
+            archs = ", ".join(hf.get("architectures") or []) or "unknown"
+            raise VegasError(
+                f"unsupported architecture '{model_type}' ({archs}) in {name}; supported "
+                f"model types: {', '.join(sorted(HF_MODEL_TYPES))}"
+            )
+        family = HF_MODEL_TYPES[model_type]
+        heads = hf["num_attention_heads"]
+        # transformers 5 stores RoPE settings in rope_parameters; older configs use
+        # rope_theta + rope_scaling.
+        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        theta = rope.pop("rope_theta", None) or hf.get("rope_theta", 10000.0)
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        rope_scaling = None if rope_type == "default" else {**rope, "rope_type": rope_type}
+        sliding = hf.get("sliding_window")
+        if family != "llama" and not hf.get("use_sliding_window", False):
+            sliding = None
+        eos = hf.get("eos_token_id")
+        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        return cls(
+            name=name,
+            family=family,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=family == "qwen2" or bool(hf.get("attention_bias", False)),
+            o_bias=family == "llama" and bool(hf.get("attention_bias", False)),
+            qk_norm=family == "qwen3",
+            sliding_window=sliding,
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+
+# Shapes from the models' public config.json files. Dummy models use these with random
+# weights: they time like the real model and say nothing about its outputs.
+PRESETS: dict[str, dict[str, Any]] = {
+    "qwen3-8b": dict(
+        family="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+        num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6,
+        rope_theta=1e6, qk_norm=True, bos_token_id=151643, eos_token_ids=[151645],
+        # 32k native; the model card extends to 128k with YaRN. Dummy weights only time
+        # the shape, so the longer bound is allowed.
+        max_position_embeddings=131072,
+    ),
+    "qwen3-4b": dict(
+        family="qwen3", vocab_size=151936, hidden_size=2560, intermediate_size=9728,
+        num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6,
+        rope_theta=1e6, qk_norm=True, tie_word_embeddings=True, bos_token_id=151643,
+        eos_token_ids=[151645], max_position_embeddings=131072,
+    ),
+    "llama-3.1-8b": dict(
+        family="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+        num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                          high_freq_factor=4.0, original_max_position_embeddings=8192),
+        bos_token_id=128000, eos_token_ids=[128001, 128008, 128009],
+        max_position_embeddings=131072,
+    ),
+    "qwen2.5-7b": dict(
+        family="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+        num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128, rms_norm_eps=1e-6,
+        rope_theta=1e6, qkv_bias=True, bos_token_id=151643, eos_token_ids=[151645],
+        max_position_embeddings=131072,
+    ),
+    "smollm2-135m": dict(
+        family="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+        num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5,
+        rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_ids=[2],
+        max_position_embeddings=8192,
+    ),
+}
+
+
+def preset_config(preset: str) -> ModelConfig:
+    """The config of ``dummy:<preset>``."""
+    if preset not in PRESETS:
+        raise VegasError(
+            f"unknown dummy preset '{preset}'; choose one of: {', '.join(sorted(PRESETS))}"
+        )
+    return ModelConfig(name=f"dummy:{preset}", **PRESETS[preset])

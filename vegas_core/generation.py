@@ -1,0 +1,194 @@
+"""Batched generation: chunked prefill, then decode steps until EOS or the token limit."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from vegas_core.attention import AttentionMeta
+from vegas_core.cache import KVCache
+from vegas_core.errors import VegasError
+from vegas_core.loading import LoadedModel
+from vegas_core.sampling import SamplingParams, choose_tokens
+
+# Rows per prefill forward: bounds the [B, H, rows, ctx] score tensor of the reference
+# attention (512 rows x 8k slots x 9 heads x 4 bytes = 150 MB per sequence).
+DEFAULT_PREFILL_CHUNK = 512
+
+# progress(phase, done, total) with phase "prefill" (tokens) or "decode" (tokens).
+ProgressFn = Callable[[str, int, int], None]
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: list[int]
+    new_tokens: list[int]
+    prefill_seconds: float
+    decode_seconds: float
+    decode_tokens: int  # tokens produced by decode forwards (the first comes from prefill)
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Decode throughput over the batch, prefill excluded."""
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[list[int]]  # new token ids per prompt, EOS included if produced
+    texts: list[str] | None  # decoded new text per prompt (None without a tokenizer)
+    stats: GenerationStats
+
+
+def encode_prompts(model: LoadedModel, prompts: Sequence[str] | Sequence[Sequence[int]] | str
+                   ) -> list[list[int]]:
+    """Strings are tokenized with the model's tokenizer; id lists pass through checked."""
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    if len(prompts) == 0:
+        raise VegasError("no prompts given; pass at least one prompt")
+    out = []
+    vocab = model.config.vocab_size
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            if model.tokenizer is None:
+                raise VegasError(f"{model.spec} has no tokenizer; pass prompts as token-id lists")
+            ids = model.tokenizer.encode(p)
+        else:
+            ids = [int(t) for t in p]
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise VegasError(f"prompt {i}: token id {bad[0]} outside the vocabulary [0, {vocab})")
+        if not ids:
+            raise VegasError(f"prompt {i} is empty; give it at least one token")
+        out.append(ids)
+    return out
+
+
+def check_lengths(model: LoadedModel, prompt_ids: list[list[int]], max_new_tokens: int) -> None:
+    limit = model.config.max_position_embeddings
+    if max_new_tokens < 1:
+        raise VegasError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    for i, ids in enumerate(prompt_ids):
+        if len(ids) + max_new_tokens > limit:
+            raise VegasError(
+                f"prompt {i} has {len(ids)} tokens; with {max_new_tokens} new tokens that "
+                f"exceeds the model's maximum of {limit} positions; shorten the prompt or "
+                f"lower max_new_tokens"
+            )
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def prefill(model: LoadedModel, prompt_ids: list[list[int]], cache: KVCache, *,
+            chunk: int = DEFAULT_PREFILL_CHUNK, progress: ProgressFn | None = None
+            ) -> torch.Tensor:
+    """Run the prompts through the model in chunks; returns the last row's hidden state
+    per sequence, [B, hidden], and sets ``cache.lengths`` to the prompt lengths.
+
+    Prompts are right-padded to the longest; a padding token's K/V land in slots past
+    its sequence's length, which no real query sees and decoding overwrites.
+    """
+    net, dev = model.net, model.device
+    b = len(prompt_ids)
+    lengths = torch.tensor([len(p) for p in prompt_ids], device=dev)
+    longest = int(max(len(p) for p in prompt_ids))
+    tokens = torch.zeros(b, longest, dtype=torch.long, device=dev)
+    for i, p in enumerate(prompt_ids):
+        tokens[i, : len(p)] = torch.tensor(p, device=dev)
+    last_hidden = torch.empty(b, model.config.hidden_size, dtype=model.dtype, device=dev)
+    window = model.config.sliding_window
+    for start in range(0, longest, chunk):
+        end = min(longest, start + chunk)
+        positions = torch.arange(start, end, device=dev).expand(b, -1)  # [B, T]
+        hidden = net(tokens[:, start:end], positions, cache, AttentionMeta.full(positions, end, window))
+        ends_here = (lengths - 1 >= start) & (lengths - 1 < end)
+        rows = (lengths - 1 - start).clamp(0, end - start - 1)
+        picked = hidden[torch.arange(b, device=dev), rows]
+        last_hidden = torch.where(ends_here[:, None], picked, last_hidden)
+        if progress:
+            progress("prefill", end, longest)
+    cache.lengths.copy_(lengths)
+    return last_hidden
+
+
+def generate(
+    model: LoadedModel,
+    prompts: Sequence[str] | Sequence[Sequence[int]],
+    max_new_tokens: int = 128,
+    *,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int = 0,
+    ignore_eos: bool = False,
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+    progress: ProgressFn | None = None,
+) -> GenerationResult:
+    """Generate up to ``max_new_tokens`` per prompt with plain (vanilla) decoding.
+
+    Greedy when ``temperature`` is 0; otherwise sampling after top-k and top-p with a
+    generator seeded by ``seed``. A sequence stops at its first EOS token unless
+    ``ignore_eos``; the batch stops when all have.
+    """
+    params = SamplingParams(temperature, top_p, top_k, seed)
+    prompt_ids = encode_prompts(model, prompts)
+    check_lengths(model, prompt_ids, max_new_tokens)
+    if prefill_chunk < 1:
+        raise VegasError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+    dev, net = model.device, model.net
+    b = len(prompt_ids)
+    cache = net.new_cache(b, max(len(p) for p in prompt_ids) + max_new_tokens)
+    generator = torch.Generator(device=dev).manual_seed(seed)
+    eos = set() if ignore_eos or model.tokenizer is None else set(model.tokenizer.eos_token_ids)
+
+    _sync(dev)
+    t0 = time.perf_counter()
+    last_hidden = prefill(model, prompt_ids, cache, chunk=prefill_chunk, progress=progress)
+    with torch.inference_mode():
+        next_tokens = choose_tokens(net.logits(last_hidden), params, generator)  # [B]
+    _sync(dev)
+    t1 = time.perf_counter()
+
+    out: list[list[int]] = [[] for _ in range(b)]
+    done = [False] * b
+    host_len = max(len(p) for p in prompt_ids)  # longest sequence, for the key bound
+    decode_tokens = 0
+    window = model.config.sliding_window
+    with torch.inference_mode():
+        for step in range(max_new_tokens):
+            for i, tok in enumerate(next_tokens.tolist()):
+                if not done[i]:
+                    out[i].append(tok)
+                    done[i] = tok in eos or len(out[i]) == max_new_tokens
+            if progress:
+                progress("decode", step + 1, max_new_tokens)
+            if all(done):
+                break
+            positions = cache.lengths[:, None]  # [B, 1]
+            host_len += 1
+            hidden = net(next_tokens[:, None], positions, cache,
+                         AttentionMeta.full(positions, host_len, window))
+            cache.lengths += 1
+            next_tokens = choose_tokens(net.logits(hidden[:, -1]), params, generator)
+            decode_tokens += sum(not d for d in done)
+    _sync(dev)
+    t2 = time.perf_counter()
+
+    texts = [model.tokenizer.decode(ids) for ids in out] if model.tokenizer else None
+    stats = GenerationStats(
+        prompt_tokens=[len(p) for p in prompt_ids],
+        new_tokens=[len(o) for o in out],
+        prefill_seconds=t1 - t0,
+        decode_seconds=t2 - t1,
+        decode_tokens=decode_tokens,
+    )
+    return GenerationResult(out, texts, stats)

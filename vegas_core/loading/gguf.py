@@ -1,0 +1,226 @@
+"""GGUF files: config and tokenizer from the metadata, weights dequantized with ``gguf``."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from vegas_core.config import ModelConfig
+from vegas_core.errors import VegasError
+from vegas_core.loading.weights import build_with_weights
+from vegas_core.tokenizer import TokenizersTokenizer, TransformersTokenizer
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
+# GGUF tensor name -> Hugging Face parameter name (without the "model." prefix).
+_GLOBAL_NAMES = {
+    "token_embd.weight": "embed_tokens.weight",
+    "output_norm.weight": "norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+# GGUF token types (llama.cpp's enum): control and user-defined tokens are matched whole.
+_CONTROL, _USER_DEFINED = 3, 4
+
+# Pre-tokenizer split patterns by `tokenizer.ggml.pre` (published with each tokenizer).
+# Others fall back to transformers' GGUF tokenizer conversion.
+_GPT2_PATTERN = None  # the byte-level pre-tokenizer's own regex
+_SPLIT_PATTERNS = {
+    "default": _GPT2_PATTERN,
+    "gpt2": _GPT2_PATTERN,
+    "smollm": _GPT2_PATTERN,
+    "llama-bpe": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+             r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+}
+
+
+class GGUFFile:
+    """The parsed header of a GGUF file; tensors are read lazily."""
+
+    def __init__(self, path: Path) -> None:
+        import gguf
+
+        self.path = path
+        if not path.is_file():
+            raise VegasError(f"GGUF file not found: {path}")
+        with open(path, "rb") as f:
+            if f.read(4) != b"GGUF":
+                raise VegasError(f"{path} is not a GGUF file (bad magic); pass a .gguf model")
+        try:
+            self.reader = gguf.GGUFReader(str(path))
+            # Touch every tensor view now so truncation is caught here, not mid-load.
+            for t in self.reader.tensors:
+                _ = t.data.shape
+        except Exception as e:  # the reader raises many kinds on bad bytes
+            raise VegasError(
+                f"{path} is truncated or corrupt ({type(e).__name__}: {e}); download it again"
+            ) from e
+
+    def get(self, key: str, default: Any = None) -> Any:
+        field = self.reader.fields.get(key)
+        if field is None:
+            return default
+        return field.contents()
+
+    def require(self, key: str) -> Any:
+        value = self.get(key)
+        if value is None:
+            raise VegasError(f"{self.path}: metadata key '{key}' is missing; the file is incomplete")
+        return value
+
+    @property
+    def architecture(self) -> str:
+        return self.require("general.architecture")
+
+
+def gguf_config(gf: GGUFFile) -> ModelConfig:
+    arch = gf.architecture
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise VegasError(
+            f"{gf.path.name}: unsupported architecture '{arch}'; supported: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    a = lambda key, default=None: gf.get(f"{arch}.{key}", default)  # noqa: E731
+    heads = int(a("attention.head_count"))
+    hidden = int(a("embedding_length"))
+    tokens = gf.get("tokenizer.ggml.tokens")
+    vocab = a("vocab_size") or (len(tokens) if tokens is not None else None)
+    rope_scaling = None
+    names = {t.name for t in gf.reader.tensors}
+    if "rope_freqs.weight" in names:
+        factors = _tensor_array(next(t for t in gf.reader.tensors if t.name == "rope_freqs.weight"))
+        rope_scaling = {"rope_type": "freq_factors", "factors": factors.tolist()}
+    elif a("rope.scaling.type") == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": float(a("rope.scaling.factor"))}
+    eos = gf.get("tokenizer.ggml.eos_token_id")
+    eot = gf.get("tokenizer.ggml.eot_token_id")
+    return ModelConfig(
+        name=gf.get("general.name") or gf.path.stem,
+        family=arch,
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(a("feed_forward_length")),
+        num_layers=int(a("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(a("attention.head_count_kv", heads)),
+        head_dim=int(a("attention.key_length", hidden // heads)),
+        max_position_embeddings=int(a("context_length", 4096)),
+        rms_norm_eps=float(a("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(a("rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
+        tie_word_embeddings="output.weight" not in names,
+        qkv_bias="blk.0.attn_q.bias" in names,
+        o_bias="blk.0.attn_output.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+        bos_token_id=gf.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=sorted({int(i) for i in (eos, eot) if i is not None}),
+    )
+
+
+def _tensor_array(tensor: Any) -> np.ndarray:
+    import gguf
+
+    # A copy: the reader hands out read-only views of the memory-mapped file.
+    return np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+
+
+def _unpermute_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    # llama.cpp stores Llama q/k rows in the interleaved-pair RoPE order; the model here
+    # (like transformers) rotates halves, so undo that row permutation per head.
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _gguf_tensors(gf: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    for tensor in gf.reader.tensors:
+        name = tensor.name
+        if name == "rope_freqs.weight":
+            continue  # folded into the config's RoPE frequencies
+        if name in _GLOBAL_NAMES:
+            hf_name = _GLOBAL_NAMES[name]
+        else:
+            m = _BLOCK_RE.fullmatch(name)
+            if not m or m.group(2) not in _BLOCK_NAMES:
+                raise VegasError(f"{gf.path.name}: unexpected tensor '{name}'; this model variant is not supported")
+            hf_name = f"layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+        w = torch.from_numpy(_tensor_array(tensor))
+        if config.family == "llama" and name.endswith((".attn_q.weight", ".attn_k.weight", ".attn_q.bias", ".attn_k.bias")):
+            heads = config.num_heads if ".attn_q." in name else config.num_kv_heads
+            w = _unpermute_rotary(w, heads)
+        yield hf_name, w
+
+
+def gguf_tokenizer(gf: GGUFFile):
+    """The tokenizer described by the file's metadata."""
+    model = gf.get("tokenizer.ggml.model")
+    pre = gf.get("tokenizer.ggml.pre", "default")
+    eos_ids = sorted({int(i) for i in (gf.get("tokenizer.ggml.eos_token_id"),
+                                        gf.get("tokenizer.ggml.eot_token_id")) if i is not None})
+    if model != "gpt2" or pre not in _SPLIT_PATTERNS:
+        # SentencePiece-style vocabularies: use transformers' converter for the same file.
+        from transformers import AutoTokenizer
+
+        try:
+            tok = AutoTokenizer.from_pretrained(str(gf.path.parent), gguf_file=gf.path.name)
+        except Exception as e:
+            raise VegasError(f"{gf.path.name}: cannot build its tokenizer ({model}/{pre}): {e}") from e
+        return TransformersTokenizer(tok, eos_ids)
+
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    tokens = list(gf.require("tokenizer.ggml.tokens"))
+    merges = [tuple(m.split(" ", 1)) for m in gf.require("tokenizer.ggml.merges")]
+    bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
+                     fuse_unk=False, byte_fallback=False)
+    backend = Tokenizer(bpe)
+    pattern = _SPLIT_PATTERNS[pre]
+    if pattern is None:
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    backend.decoder = decoders.ByteLevel()
+    types = gf.get("tokenizer.ggml.token_type") or []
+    backend.add_special_tokens([
+        AddedToken(tokens[i], special=True, normalized=False)
+        for i, kind in enumerate(types) if kind in (_CONTROL, _USER_DEFINED)
+    ])
+    bos = gf.get("tokenizer.ggml.bos_token_id")
+    return TokenizersTokenizer(
+        backend,
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=eos_ids,
+        add_bos=bool(gf.get("tokenizer.ggml.add_bos_token", False)),
+        chat_template=gf.get("tokenizer.chat_template"),
+    )
+
+
+def load_gguf(path: Path, *, device: torch.device, dtype: torch.dtype):
+    gf = GGUFFile(path)
+    config = gguf_config(gf)
+    net = build_with_weights(config, _gguf_tensors(gf, config), device=device, dtype=dtype,
+                             source=path.name)
+    return config, net, gguf_tokenizer(gf)
