@@ -63,3 +63,14 @@ def test_greedy_64_tokens_match_transformers_gguf(smollm, reference):
 def test_chat_template_renders(smollm):
     text = smollm.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])
     assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_cli_generates_and_reports_speed(capsys):
+    from vegas_core.cli import app, run_app
+
+    code = run_app(app, ["generate", "--prompt", "The capital of France is",
+                         "--max-new-tokens", "8"], prog_name="vegas")
+    out = capsys.readouterr()
+    assert code == 0
+    assert out.out.strip()
+    assert "tok/s" in out.err and "smollm2-135m" in out.err

@@ -1,0 +1,50 @@
+"""Model specs: dummy presets, embedded lookup, HF config parsing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vegas_core import load_model
+from vegas_core.config import PRESETS, ModelConfig, preset_config
+from vegas_core.errors import VegasError
+from vegas_core.model import Transformer
+
+# Published parameter counts (model cards), to the precision the cards give.
+PUBLISHED_PARAMS = {"qwen3-8b": 8.19e9, "qwen3-4b": 4.02e9, "llama-3.1-8b": 8.03e9,
+                    "qwen2.5-7b": 7.62e9, "smollm2-135m": 0.135e9}
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_dummy_presets_have_the_published_size(preset):
+    config = preset_config(preset)
+    with torch.device("meta"):
+        net = Transformer(config)
+    counted = sum(p.numel() for p in net.parameters())  # tied weights counted once
+    assert counted == config.num_parameters()
+    assert counted == pytest.approx(PUBLISHED_PARAMS[preset], rel=0.01)
+
+
+def test_dummy_model_is_marked_and_runs():
+    model = load_model("dummy:smollm2-135m", device="cpu", dtype="float32")
+    assert model.is_dummy and "DUMMY" in model.label
+    assert model.config.name == "dummy:smollm2-135m"
+
+
+def test_transformers5_and_legacy_rope_fields_parse_the_same():
+    base = dict(model_type="llama", vocab_size=10, hidden_size=8, intermediate_size=16,
+                num_hidden_layers=1, num_attention_heads=2)
+    scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=8192)
+    legacy = ModelConfig.from_hf({**base, "rope_theta": 5e5, "rope_scaling": scaling}, "a")
+    modern = ModelConfig.from_hf({**base, "rope_parameters": {**scaling, "rope_theta": 5e5}}, "a")
+    assert legacy.rope_theta == modern.rope_theta == 5e5
+    assert legacy.rope_scaling == modern.rope_scaling
+
+
+def test_unsupported_rope_scaling_is_refused():
+    with pytest.raises(VegasError, match="yarn"):
+        ModelConfig.from_hf(dict(model_type="qwen3", vocab_size=10, hidden_size=8,
+                                 intermediate_size=16, num_hidden_layers=1,
+                                 num_attention_heads=2,
+                                 rope_scaling=dict(rope_type="yarn", factor=4.0)), "q")
