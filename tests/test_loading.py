@@ -48,3 +48,36 @@ def test_unsupported_rope_scaling_is_refused():
                                  intermediate_size=16, num_hidden_layers=1,
                                  num_attention_heads=2,
                                  rope_scaling=dict(rope_type="yarn", factor=4.0)), "q")
+
+
+def test_hub_id_resolves_from_the_local_cache_offline(tiny_hf, tmp_path, monkeypatch):
+    import shutil
+
+    from tests.test_hf_parity import full_logits
+
+    path, _ = tiny_hf("qwen3")
+    # The hub cache layout: models--owner--name/{refs/main, snapshots/<commit>/files}.
+    repo = tmp_path / "hub" / "models--acme--tiny-qwen3"
+    commit = "0" * 40
+    shutil.copytree(path, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as hub_constants
+
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
+    from_hub = load_model("acme/tiny-qwen3", device="cpu", dtype="float32")
+    from_dir = load_model(str(path), device="cpu", dtype="float32")
+    ids = list(range(3, 40))
+    torch.testing.assert_close(full_logits(from_hub, ids), full_logits(from_dir, ids))
+
+
+def test_unknown_hub_id_offline_is_a_user_error(tmp_path, monkeypatch):
+    import huggingface_hub.constants as hub_constants
+
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(VegasError, match="neither a local path nor"):
+        load_model("acme/does-not-exist", device="cpu")
