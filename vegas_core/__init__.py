@@ -8,12 +8,16 @@ from vegas_core.config import ModelConfig
 from vegas_core.errors import VegasError
 from vegas_core.generation import GenerationResult, GenerationStats, generate
 from vegas_core.loading import LoadedModel, load_model
+from vegas_core.spec_config import SpecConfig
+from vegas_core.speculative import SpeculativeStats
 
 __all__ = [
     "GenerationResult",
     "GenerationStats",
     "LoadedModel",
     "ModelConfig",
+    "SpecConfig",
+    "SpeculativeStats",
     "VegasError",
     "generate",
     "load_model",

@@ -15,7 +15,9 @@ The PyTorch reference below is the ground truth; faster kernels plug in behind
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -24,9 +26,50 @@ from vegas_core.cache import KVCache
 MODES = ("full", "verify", "draft")
 
 
+class DraftSelection(Protocol):
+    """The prefix slots a draft forward attends to, beside the recent tail.
+
+    Fixed index lists (``SparseSelection``) or selections that depend on the draft's own
+    query (Quest, the oracle) both answer ``prefix_mask``.
+    """
+
+    tail_start: torch.Tensor  # [B]: slots from here to the query's position are always attended
+
+    def prefix_mask(self, layer: int, kv_len: int, q: torch.Tensor, k: torch.Tensor,
+                    positions: torch.Tensor) -> torch.Tensor:
+        """Boolean [B, G, kv_len] (G = 1 or H_kv) for q [B, T, H, D], k [B, H_kv, S, D]
+        and the query positions [B, T]."""
+        ...
+
+
+class ScoreCollector:
+    """Keeps what a verify pass computed anyway: per-row attention scores, summed over
+    each KV head's query group, for the selection of the next draft's KV.
+
+    logit[layer], weight[layer]: [B, H_kv, T, S] float32. ``logit`` sums pre-softmax
+    q.k/sqrt(d) (masked slots as 0); ``weight`` sums softmax probabilities.
+    """
+
+    def __init__(self, modes: set[str], layers: set[int] | None = None) -> None:
+        self.modes = modes
+        self.layers = layers
+        self.logit: dict[int, torch.Tensor] = {}
+        self.weight: dict[int, torch.Tensor] = {}
+
+    def add(self, layer: int, scores: torch.Tensor, probs: torch.Tensor,
+            mask: torch.Tensor) -> None:
+        """scores (float32, masked slots -inf), probs: [B, H_kv, group, T, S]."""
+        if self.layers is not None and layer not in self.layers:
+            return
+        if "logit" in self.modes:
+            self.logit[layer] = scores.masked_fill(~mask, 0.0).sum(dim=2)
+        if "weight" in self.modes:
+            self.weight[layer] = probs.float().sum(dim=2)
+
+
 @dataclass
 class SparseSelection:
-    """Prefix slots a draft attends to, per layer and sequence.
+    """Prefix slots a draft attends to, per layer and sequence, as index lists.
 
     indices: [L, B, G, K] slot ids; G = 1 (one set per layer, shared by all heads) or
         G = H_kv (one set per KV head). Entries past ``counts`` are padding.
@@ -38,7 +81,9 @@ class SparseSelection:
     counts: torch.Tensor
     tail_start: torch.Tensor
 
-    def layer_mask(self, layer: int, kv_len: int) -> torch.Tensor:
+    def prefix_mask(self, layer: int, kv_len: int, q: torch.Tensor | None = None,
+                    k: torch.Tensor | None = None, positions: torch.Tensor | None = None
+                    ) -> torch.Tensor:
         """Boolean [B, G, kv_len]: True where a prefix slot is selected."""
         idx = self.indices[layer]  # [B, G, K]
         k = idx.shape[-1]
@@ -61,7 +106,8 @@ class AttentionMeta:
     positions: torch.Tensor
     kv_len: int
     sliding_window: int | None = None
-    sparse: SparseSelection | None = None
+    sparse: DraftSelection | None = None
+    collector: ScoreCollector | None = None
     _causal: torch.Tensor | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -75,11 +121,14 @@ class AttentionMeta:
         return cls("full", positions, kv_len, sliding_window)
 
     @classmethod
-    def verify(cls, positions: torch.Tensor, kv_len: int, sliding_window: int | None = None):
-        return cls("verify", positions, kv_len, sliding_window)
+    def verify(cls, positions: torch.Tensor, kv_len: int, sliding_window: int | None = None,
+               collector: ScoreCollector | None = None):
+        """Full causal attention for a multi-row verify window; ``collector`` keeps the
+        selection scores."""
+        return cls("verify", positions, kv_len, sliding_window, collector=collector)
 
     @classmethod
-    def draft(cls, positions: torch.Tensor, kv_len: int, sparse: SparseSelection,
+    def draft(cls, positions: torch.Tensor, kv_len: int, sparse: DraftSelection,
               sliding_window: int | None = None):
         return cls("draft", positions, kv_len, sliding_window, sparse)
 
@@ -95,36 +144,47 @@ class AttentionMeta:
             self._causal = mask
         return self._causal
 
-    def mask(self, layer: int) -> torch.Tensor:
+    def mask(self, layer: int, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """Boolean [B, G, 1, T, S] for ``layer``; G is 1 or H_kv."""
         causal = self.causal_mask()[:, None]  # [B, 1, T, S]
         if self.sparse is None:
             return causal[:, :, None]
-        selected = self.sparse.layer_mask(layer, self.kv_len)[:, :, None, :]  # [B, G, 1, S]
+        selected = self.sparse.prefix_mask(layer, self.kv_len, q, k, self.positions)
+        selected = selected[:, :, None, :]  # [B, G, 1, S]
         slots = torch.arange(self.kv_len, device=self.positions.device)
         recent = slots >= self.sparse.tail_start[:, None, None, None]  # [B, 1, 1, S]
         return ((selected | recent) & causal)[:, :, None]
 
 
 def reference_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+    on_scores: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None,
 ) -> torch.Tensor:
-    """Masked GQA attention in plain PyTorch, softmax in float32.
+    """Masked GQA attention in plain PyTorch, softmax in float32 (or float64).
 
     q: [B, T, H, D]; k, v: [B, H_kv, S, D]; mask: [B, G, 1, T, S] with G in {1, H_kv}.
-    Returns [B, T, H, D].
+    Returns [B, T, H, D]. ``on_scores(scores, probs, mask)`` receives the float32 scores
+    and probabilities, [B, H_kv, group, T, S].
     """
     b, t, h, d = q.shape
     h_kv = k.shape[1]
     q = q.view(b, t, h_kv, h // h_kv, d).permute(0, 2, 3, 1, 4)  # [B, H_kv, group, T, D]
-    scores = torch.einsum("bkgtd,bksd->bkgts", q, k).float() * (1.0 / math.sqrt(d))
+    # float32 at least (float64 stays float64, for references of references)
+    acc = torch.promote_types(q.dtype, torch.float32)
+    scores = torch.einsum("bkgtd,bksd->bkgts", q, k).to(acc) * (1.0 / math.sqrt(d))
     scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    out = torch.einsum("bkgts,bksd->bkgtd", probs, v)  # [B, H_kv, group, T, D]
+    probs = torch.softmax(scores, dim=-1)
+    if on_scores is not None:
+        on_scores(scores, probs, mask)
+    out = torch.einsum("bkgts,bksd->bkgtd", probs.to(v.dtype), v)  # [B, H_kv, group, T, D]
     return out.permute(0, 3, 1, 2, 4).reshape(b, t, h, d)
 
 
 def attend(q: torch.Tensor, cache: KVCache, layer: int, meta: AttentionMeta) -> torch.Tensor:
     """Attention of q ([B, T, H, D]) over ``layer``'s cache as ``meta`` allows."""
     k, v = cache.layer(layer, meta.kv_len)
-    return reference_attention(q, k, v, meta.mask(layer))
+    collect = None
+    if meta.collector is not None:
+        def collect(scores, probs, mask):
+            meta.collector.add(layer, scores, probs, mask)
+    return reference_attention(q, k, v, meta.mask(layer, q, k), collect)

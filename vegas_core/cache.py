@@ -36,6 +36,14 @@ class KVCache:
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
         self._batch_index = torch.arange(batch_size, device=device)[:, None]  # [B, 1]
 
+    def sequence(self, b: int) -> "KVCache":
+        """A batch-1 view of sequence b: writes through it land in this cache."""
+        view = object.__new__(KVCache)
+        view.k, view.v = self.k[:, b : b + 1], self.v[:, b : b + 1]
+        view.lengths = self.lengths[b : b + 1]
+        view._batch_index = self._batch_index[:1]
+        return view
+
     @property
     def batch_size(self) -> int:
         return self.k.shape[1]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -14,8 +15,11 @@ from vegas_core.errors import VegasError
 from vegas_core.loading import LoadedModel
 from vegas_core.sampling import SamplingParams, choose_tokens
 
-# Rows per prefill forward: bounds the [B, H, rows, ctx] score tensor of the reference
-# attention (512 rows x 8k slots x 9 heads x 4 bytes = 150 MB per sequence).
+if TYPE_CHECKING:
+    from vegas_core.spec_config import SpecConfig
+
+# Rows per prefill forward: bounds the [H, rows, ctx] score tensor of the reference
+# attention (512 rows x 8k slots x 9 heads x 4 bytes = 150 MB).
 DEFAULT_PREFILL_CHUNK = 512
 
 # progress(phase, done, total) with phase "prefill" (tokens) or "decode" (tokens).
@@ -94,29 +98,28 @@ def prefill(model: LoadedModel, prompt_ids: list[list[int]], cache: KVCache, *,
     """Run the prompts through the model in chunks; returns the last row's hidden state
     per sequence, [B, hidden], and sets ``cache.lengths`` to the prompt lengths.
 
-    Prompts are right-padded to the longest; a padding token's K/V land in slots past
-    its sequence's length, which no real query sees and decoding overwrites.
+    Sequences are prefilled one at a time through batch-1 views of the cache, so a
+    ragged batch costs no padding. An empty prompt is skipped (its row stays zero).
     """
     net, dev = model.net, model.device
-    b = len(prompt_ids)
-    lengths = torch.tensor([len(p) for p in prompt_ids], device=dev)
-    longest = int(max(len(p) for p in prompt_ids))
-    tokens = torch.zeros(b, longest, dtype=torch.long, device=dev)
-    for i, p in enumerate(prompt_ids):
-        tokens[i, : len(p)] = torch.tensor(p, device=dev)
-    last_hidden = torch.empty(b, model.config.hidden_size, dtype=model.dtype, device=dev)
     window = model.config.sliding_window
-    for start in range(0, longest, chunk):
-        end = min(longest, start + chunk)
-        positions = torch.arange(start, end, device=dev).expand(b, -1)  # [B, T]
-        hidden = net(tokens[:, start:end], positions, cache, AttentionMeta.full(positions, end, window))
-        ends_here = (lengths - 1 >= start) & (lengths - 1 < end)
-        rows = (lengths - 1 - start).clamp(0, end - start - 1)
-        picked = hidden[torch.arange(b, device=dev), rows]
-        last_hidden = torch.where(ends_here[:, None], picked, last_hidden)
-        if progress:
-            progress("prefill", end, longest)
-    cache.lengths.copy_(lengths)
+    last_hidden = torch.zeros(len(prompt_ids), model.config.hidden_size, dtype=model.dtype,
+                              device=dev)
+    total, done = sum(len(p) for p in prompt_ids), 0
+    for b, ids in enumerate(prompt_ids):
+        view = cache.sequence(b)
+        tokens = torch.tensor([ids], dtype=torch.long, device=dev)
+        for start in range(0, len(ids), chunk):
+            end = min(len(ids), start + chunk)
+            positions = torch.arange(start, end, device=dev)[None]  # [1, T]
+            hidden = net(tokens[:, start:end], positions, view,
+                         AttentionMeta.full(positions, end, window))
+            done += end - start
+            if progress:
+                progress("prefill", done, total)
+        if ids:
+            last_hidden[b] = hidden[0, -1]
+    cache.lengths.copy_(torch.tensor([len(p) for p in prompt_ids], device=dev))
     return last_hidden
 
 
@@ -125,6 +128,7 @@ def generate(
     prompts: Sequence[str] | Sequence[Sequence[int]],
     max_new_tokens: int = 128,
     *,
+    spec: "SpecConfig | None" = None,
     temperature: float = 0.0,
     top_p: float = 1.0,
     top_k: int = 0,
@@ -133,17 +137,24 @@ def generate(
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
     progress: ProgressFn | None = None,
 ) -> GenerationResult:
-    """Generate up to ``max_new_tokens`` per prompt with plain (vanilla) decoding.
+    """Generate up to ``max_new_tokens`` per prompt.
 
-    Greedy when ``temperature`` is 0; otherwise sampling after top-k and top-p with a
-    generator seeded by ``seed``. A sequence stops at its first EOS token unless
-    ``ignore_eos``; the batch stops when all have.
+    ``spec=None`` decodes plainly (vanilla); a ``SpecConfig`` decodes self-speculatively
+    with its drafter, losslessly. Greedy when ``temperature`` is 0; otherwise sampling
+    after top-k and top-p with a generator seeded by ``seed``. A sequence stops at its
+    first EOS token unless ``ignore_eos``; the batch stops when all have.
     """
     params = SamplingParams(temperature, top_p, top_k, seed)
-    prompt_ids = encode_prompts(model, prompts)
-    check_lengths(model, prompt_ids, max_new_tokens)
     if prefill_chunk < 1:
         raise VegasError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+    if spec is not None:
+        from vegas_core.speculative import generate_speculative
+
+        return generate_speculative(model, prompts, max_new_tokens, spec, params,
+                                    ignore_eos=ignore_eos, prefill_chunk=prefill_chunk,
+                                    progress=progress)
+    prompt_ids = encode_prompts(model, prompts)
+    check_lengths(model, prompt_ids, max_new_tokens)
     dev, net = model.device, model.net
     b = len(prompt_ids)
     cache = net.new_cache(b, max(len(p) for p in prompt_ids) + max_new_tokens)

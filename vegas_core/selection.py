@@ -1,0 +1,327 @@
+"""Drafters: which prefix slots each draft forward attends to.
+
+All drafters share one budget rule and one interface. After the prefill window and
+after every verify pass the loop calls ``Drafter.select`` with a ``SelectionInputs``;
+the drafter returns a ``DraftSelection`` (or None for dense drafts). Every selection
+attends, besides its prefix slots, to every slot written since it was made (the tail).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from vegas_core.spec_config import SpecConfig
+from vegas_core.attention import ScoreCollector, SparseSelection
+
+# MagicDec-Stream: attention-sink tokens kept at the start of the prefix.
+STREAMING_SINKS = 16
+# MagicDec-Quest: page size and the scoring of pages by their key bounds.
+QUEST_PAGE = 16
+# SnapKV: observation window (last prompt rows) and pooling kernel.
+SNAPKV_WINDOW = 32
+SNAPKV_POOL = 5
+# SpecExtend-style retrieval: chunk size and refresh period (iterations).
+SPECEXTEND_CHUNK = 32
+SPECEXTEND_REFRESH = 8
+
+
+def draft_budget(prefix_len: torch.Tensor, sparsity: float, min_tokens: int) -> torch.Tensor:
+    """Per-sequence budget: max(min_tokens, ceil(sparsity * prefix_len)), <= prefix_len."""
+    ratio = torch.ceil(prefix_len.double() * sparsity).long()
+    return torch.minimum(torch.clamp(ratio, min=min_tokens), prefix_len)
+
+
+@dataclass
+class SelectionInputs:
+    """What the loop knows when it selects.
+
+    collector: scores of the window just verified (or of the prefill's last rows).
+    window_rows: T, the rows of that window. last_row: [B] row of the last accepted
+        token in it. prefix_len: [B] slots before the window: the candidates; the
+        window's slots and later ones form the tail. budget: [B]. iteration: 0 after
+        prefill, then 1, 2, ...
+    """
+
+    collector: ScoreCollector | None
+    window_rows: int
+    last_row: torch.Tensor
+    prefix_len: torch.Tensor
+    budget: torch.Tensor
+    iteration: int
+    num_layers: int
+
+
+def _topk_selection(scores: torch.Tensor, prefix_len: torch.Tensor, budget: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """scores [L, B, G, S] -> (indices [L, B, G, K], counts [L, B]) of the top budget[b]
+    prefix slots (slots >= prefix_len[b] never chosen)."""
+    l, b, g, s = scores.shape
+    slots = torch.arange(s, device=scores.device)
+    scores = scores.masked_fill(slots >= prefix_len[None, :, None, None], float("-inf"))
+    k = max(int(budget.max()), 1)
+    indices = torch.topk(scores, min(k, s), dim=-1).indices
+    return indices, budget[None].expand(l, b).clone()
+
+
+def collected_rows(collect: str, window_rows: int, last_row: torch.Tensor) -> torch.Tensor:
+    """[B, T] float weights of the window rows whose scores count (0 or 1)."""
+    b = last_row.shape[0]
+    rows = torch.zeros(b, window_rows, device=last_row.device)
+    if collect == "two":
+        rows[:, 0] = 1.0
+        rows[:, -1] = 1.0
+    elif collect == "all":
+        rows[:] = 1.0
+    else:  # "last": the last accepted token's row
+        rows[torch.arange(b, device=last_row.device), last_row] = 1.0
+    return rows
+
+
+def stacked_scores(collector: ScoreCollector, mode: str, num_layers: int) -> torch.Tensor:
+    """[L, B, H_kv, T, S] from the collector's per-layer dict."""
+    per_layer = collector.logit if mode == "logit" else collector.weight
+    return torch.stack([per_layer[i] for i in range(num_layers)])
+
+
+def vegas_scores(collector: ScoreCollector, rows: torch.Tensor, score: str,
+                 granularity: str, num_layers: int) -> torch.Tensor:
+    """Sum the chosen rows' scores (over rows, and over KV heads for ``layer``
+    granularity): [L, B, G, S]."""
+    s = stacked_scores(collector, score, num_layers)  # [L, B, H_kv, T, S]
+    summed = torch.einsum("lbkts,bt->lbks", s, rows.to(s.dtype))
+    return summed.sum(dim=2, keepdim=True) if granularity == "layer" else summed
+
+
+class Drafter:
+    """Base: no selection scores needed, prefill window of gamma + 1 rows."""
+
+    collect_modes: set[str] = set()
+    collect_layers: set[int] | None = None
+    prefill_rows = 0  # rows of the prefill window this drafter needs beyond gamma + 1
+
+    def __init__(self, spec: SpecConfig, num_layers: int) -> None:
+        self.spec = spec
+        self.num_layers = num_layers
+
+    def select(self, inputs: SelectionInputs) -> object | None:
+        raise NotImplementedError
+
+
+class DenseDrafter(Drafter):
+    """Full attention in the draft: every greedy draft is accepted."""
+
+    def select(self, inputs: SelectionInputs) -> None:
+        return None
+
+
+class VegasDrafter(Drafter):
+    """Top-k of the verify pass's own scores (Collect-2-Query by default)."""
+
+    def __init__(self, spec: SpecConfig, num_layers: int) -> None:
+        super().__init__(spec, num_layers)
+        self.collect_modes = {spec.score}
+
+    def select(self, inputs: SelectionInputs) -> SparseSelection:
+        rows = collected_rows(self.spec.collect, inputs.window_rows, inputs.last_row)
+        scores = vegas_scores(inputs.collector, rows, self.spec.score, self.spec.granularity,
+                              self.num_layers)
+        indices, counts = _topk_selection(scores, inputs.prefix_len, inputs.budget)
+        return SparseSelection(indices, counts, inputs.prefix_len.clone())
+
+
+class StreamingDrafter(Drafter):
+    """MagicDec-Stream, sliding: 16 sink tokens + the most recent prefix tokens,
+    rebuilt at every iteration."""
+
+    def select(self, inputs: SelectionInputs) -> SparseSelection:
+        prefix, budget = inputs.prefix_len, inputs.budget
+        k = max(int(budget.max()), 1)
+        j = torch.arange(k, device=prefix.device)[None]  # [1, K]
+        sinks = torch.clamp(budget, max=STREAMING_SINKS)[:, None]
+        # The first `sinks` entries are slots 0.., the rest count back from the prefix end.
+        recent = prefix[:, None] - (budget[:, None] - j)
+        indices = torch.where(j < sinks, j, recent).clamp(min=0)  # [B, K]
+        indices = indices[None, :, None, :].expand(self.num_layers, -1, 1, -1).contiguous()
+        counts = budget[None].expand(self.num_layers, -1).clone()
+        return SparseSelection(indices, counts, prefix.clone())
+
+
+class SnapKVDrafter(Drafter):
+    """SnapKV at prefill (MagicDec's drafter): the last 32 prompt rows' softmax weights,
+    summed, avg-pooled (kernel 5), summed over each GQA group; top (budget - 32) per
+    layer and KV head, plus the 32 window tokens; never re-selected."""
+
+    collect_modes = {"weight"}
+    prefill_rows = SNAPKV_WINDOW
+
+    def __init__(self, spec: SpecConfig, num_layers: int) -> None:
+        super().__init__(spec, num_layers)
+        self.fixed: SparseSelection | None = None
+
+    def select(self, inputs: SelectionInputs) -> SparseSelection:
+        if self.fixed is None:
+            s = stacked_scores(inputs.collector, "weight", self.num_layers).sum(dim=3)
+            l, b, h, n = s.shape  # [L, B, H_kv, S]
+            pooled = F.avg_pool1d(s.reshape(l * b * h, 1, n), SNAPKV_POOL, stride=1,
+                                  padding=SNAPKV_POOL // 2, count_include_pad=False)
+            budget = torch.clamp(inputs.budget - inputs.window_rows, min=0)
+            indices, counts = _topk_selection(pooled.reshape(l, b, h, n), inputs.prefix_len,
+                                              budget)
+            self.fixed = SparseSelection(indices, counts, inputs.prefix_len.clone())
+        return self.fixed
+
+
+class SpecExtendDrafter(Drafter):
+    """SpecExtend-style retrieval adapted to self-speculation: the last layer's weights
+    of the last accepted token, averaged over heads, score 32-token chunks by their
+    mean; the top chunks are shared by all layers and refreshed every 8 iterations."""
+
+    collect_modes = {"weight"}
+
+    def __init__(self, spec: SpecConfig, num_layers: int) -> None:
+        super().__init__(spec, num_layers)
+        self.collect_layers = {num_layers - 1}
+        self.current: SparseSelection | None = None
+
+    def select(self, inputs: SelectionInputs) -> SparseSelection:
+        if self.current is not None and inputs.iteration % SPECEXTEND_REFRESH:
+            return self.current
+        w = inputs.collector.weight[self.num_layers - 1].sum(dim=1)  # [B, T, S]
+        b = w.shape[0]
+        w = w[torch.arange(b, device=w.device), inputs.last_row]  # [B, S]
+        n = w.shape[-1]
+        slots = torch.arange(n, device=w.device)
+        w = w.masked_fill(slots >= inputs.prefix_len[:, None], 0.0)
+        chunks = math.ceil(n / SPECEXTEND_CHUNK)
+        padded = F.pad(w, (0, chunks * SPECEXTEND_CHUNK - n)).view(b, chunks, SPECEXTEND_CHUNK)
+        valid = F.pad((slots[None] < inputs.prefix_len[:, None]).float(),
+                      (0, chunks * SPECEXTEND_CHUNK - n)).view(b, chunks, SPECEXTEND_CHUNK)
+        chunk_score = padded.sum(-1) / valid.sum(-1).clamp(min=1)
+        n_chunks = torch.div(inputs.prefix_len + SPECEXTEND_CHUNK - 1, SPECEXTEND_CHUNK,
+                             rounding_mode="floor")
+        chunk_score = chunk_score.masked_fill(
+            torch.arange(chunks, device=w.device)[None] >= n_chunks[:, None], float("-inf"))
+        want = torch.clamp(inputs.budget // SPECEXTEND_CHUNK, min=1)
+        want = torch.minimum(want, n_chunks)
+        top = torch.topk(chunk_score, max(int(want.max()), 1), dim=-1).indices  # [B, C]
+        take = torch.arange(top.shape[1], device=w.device)[None] < want[:, None]
+        # Expand chunks to slots; slots of unchosen chunks and past the prefix are dropped.
+        slot_ids = top[:, :, None] * SPECEXTEND_CHUNK + torch.arange(SPECEXTEND_CHUNK,
+                                                                    device=w.device)
+        keep = take[:, :, None] & (slot_ids < inputs.prefix_len[:, None, None])
+        slot_ids, keep = slot_ids.flatten(1), keep.flatten(1)
+        order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)
+        indices = torch.gather(slot_ids, 1, order)
+        counts = keep.sum(1)
+        l = self.num_layers
+        self.current = SparseSelection(
+            indices[None, :, None, :].expand(l, -1, 1, -1).contiguous(),
+            counts[None].expand(l, -1).clone(), inputs.prefix_len.clone())
+        return self.current
+
+
+class QuestSelection:
+    """MagicDec-Quest: per draft step and layer, pages of 16 prefix tokens scored by
+    sum_d max(q_d * kmax_d, q_d * kmin_d) with the current draft query, summed over
+    each KV head's query heads; the top budget/16 pages per KV head, last page kept."""
+
+    def __init__(self, prefix_len: torch.Tensor, budget: torch.Tensor) -> None:
+        self.tail_start = prefix_len.clone()
+        self.prefix_len = prefix_len
+        self.pages = torch.clamp(torch.div(budget, QUEST_PAGE, rounding_mode="floor"), min=1)
+        self._bounds: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _page_bounds(self, layer: int, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # Prefix keys do not change during the drafts of one iteration: bound them once.
+        if layer not in self._bounds:
+            b, h, s, d = k.shape
+            n_pages = math.ceil(s / QUEST_PAGE)
+            inside = (torch.arange(s, device=k.device)[None] < self.prefix_len[:, None])
+            inside = inside[:, None, :, None]
+            pad = n_pages * QUEST_PAGE - s
+            big = torch.finfo(k.dtype).max
+            kmax = F.pad(k.masked_fill(~inside, -big), (0, 0, 0, pad), value=-big)
+            kmin = F.pad(k.masked_fill(~inside, big), (0, 0, 0, pad), value=big)
+            kmax = kmax.view(b, h, n_pages, QUEST_PAGE, d).amax(3)
+            kmin = kmin.view(b, h, n_pages, QUEST_PAGE, d).amin(3)
+            self._bounds[layer] = (kmax, kmin)
+        return self._bounds[layer]
+
+    def prefix_mask(self, layer: int, kv_len: int, q: torch.Tensor, k: torch.Tensor,
+                    positions: torch.Tensor) -> torch.Tensor:
+        kmax, kmin = self._page_bounds(layer, k)  # [B, H_kv, P, D]
+        b, t, h, d = q.shape
+        h_kv, n_pages = kmax.shape[1], kmax.shape[2]
+        qg = q[:, -1].reshape(b, h_kv, h // h_kv, 1, d).float()  # [B, H_kv, group, 1, D]
+        per_dim = torch.maximum(qg * kmax[:, :, None].float(), qg * kmin[:, :, None].float())
+        score = per_dim.sum(-1).sum(2)  # [B, H_kv, P]
+        n_prefix_pages = torch.div(self.prefix_len + QUEST_PAGE - 1, QUEST_PAGE,
+                                   rounding_mode="floor")
+        page_ids = torch.arange(n_pages, device=q.device)[None, None]
+        score = score.masked_fill(page_ids >= n_prefix_pages[:, None, None], float("-inf"))
+        last_page = (n_prefix_pages - 1).clamp(min=0)
+        score = score.masked_fill(page_ids == last_page[:, None, None], float("inf"))
+        want = torch.minimum(self.pages, n_prefix_pages)
+        top = torch.topk(score, max(int(want.max()), 1), dim=-1).indices  # [B, H_kv, W]
+        take = (torch.arange(top.shape[-1], device=q.device)[None, None]
+                < want[:, None, None]).expand_as(top)
+        chosen = torch.zeros(b, h_kv, n_pages, dtype=torch.bool, device=q.device)
+        chosen.scatter_(-1, top, take)
+        # Bounds were taken at the first draft step; later steps only add tail slots.
+        slot_pages = (torch.arange(kv_len, device=q.device) // QUEST_PAGE).clamp(max=n_pages - 1)
+        mask = chosen[:, :, slot_pages]  # [B, H_kv, S]
+        return mask & (torch.arange(kv_len, device=q.device) < self.prefix_len[:, None, None])
+
+
+class OracleSelection:
+    """Upper bound, not a method: the exact top-k prefix slots by the current draft
+    query's own scores, recomputed at every draft step and layer."""
+
+    def __init__(self, prefix_len: torch.Tensor, budget: torch.Tensor, score: str,
+                 granularity: str) -> None:
+        self.tail_start = prefix_len.clone()
+        self.prefix_len, self.budget = prefix_len, budget
+        self.score, self.granularity = score, granularity
+
+    def prefix_mask(self, layer: int, kv_len: int, q: torch.Tensor, k: torch.Tensor,
+                    positions: torch.Tensor) -> torch.Tensor:
+        b, t, h, d = q.shape
+        h_kv = k.shape[1]
+        qg = q[:, -1].reshape(b, h_kv, h // h_kv, d).float()
+        logits = torch.einsum("bkgd,bksd->bkgs", qg, k.float()) / math.sqrt(d)
+        slots = torch.arange(kv_len, device=q.device)
+        if self.score == "weight":
+            # Normalised over everything the query could see with full attention.
+            visible = slots <= positions[:, -1, None, None, None]
+            logits = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
+        s = logits.sum(2)  # [B, H_kv, S]
+        if self.granularity == "layer":
+            s = s.sum(1, keepdim=True)
+        indices, counts = _topk_selection(s[None], self.prefix_len, self.budget)
+        return SparseSelection(indices, counts, self.tail_start).prefix_mask(0, kv_len)
+
+
+class QuestDrafter(Drafter):
+    def select(self, inputs: SelectionInputs) -> QuestSelection:
+        return QuestSelection(inputs.prefix_len, inputs.budget)
+
+
+class OracleDrafter(Drafter):
+    def select(self, inputs: SelectionInputs) -> OracleSelection:
+        return OracleSelection(inputs.prefix_len, inputs.budget, self.spec.score,
+                               self.spec.granularity)
+
+
+_DRAFTERS = {
+    "vegas": VegasDrafter, "streaming": StreamingDrafter, "quest": QuestDrafter,
+    "snapkv": SnapKVDrafter, "specextend": SpecExtendDrafter, "oracle": OracleDrafter,
+    "dense": DenseDrafter,
+}
+
+
+def make_drafter(spec: SpecConfig, num_layers: int) -> Drafter:
+    return _DRAFTERS[spec.drafter](spec, num_layers)
