@@ -46,7 +46,7 @@ class ScoreCollector:
     """Keeps what a verify pass computed anyway: per-row attention scores, summed over
     each KV head's query group, for the selection of the next draft's KV.
 
-    logit[layer], weight[layer]: [B, H_kv, T, S] float32. ``logit`` sums pre-softmax
+    logit[layer], weight[layer]: [B, H_kv, T, S], float32 (float64 for float64 inputs). ``logit`` sums pre-softmax
     q.k/sqrt(d) (masked slots as 0); ``weight`` sums softmax probabilities.
     """
 
@@ -64,7 +64,7 @@ class ScoreCollector:
         if "logit" in self.modes:
             self.logit[layer] = scores.masked_fill(~mask, 0.0).sum(dim=2)
         if "weight" in self.modes:
-            self.weight[layer] = probs.float().sum(dim=2)
+            self.weight[layer] = probs.sum(dim=2)
 
 
 @dataclass

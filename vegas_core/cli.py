@@ -19,7 +19,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     help="The Vegas engine: load a model and generate.",
 )
-stderr = Console(stderr=True)
+stderr = Console(stderr=True, soft_wrap=True)
 
 EXIT_INTERRUPTED = 130
 
@@ -95,13 +95,20 @@ def generate(
     seed: int = typer.Option(0, help="Seed of the sampling generator."),
     chat: bool = typer.Option(False, help="Wrap the prompt in the model's chat template."),
     ignore_eos: bool = typer.Option(False, help="Keep generating past EOS (for timing)."),
+    drafter: Optional[str] = typer.Option(None, help="Decode speculatively with this drafter: vegas, streaming, quest, snapkv, specextend, oracle, dense. Omit for vanilla decoding."),
+    gamma: int = typer.Option(6, help="Draft tokens per iteration."),
+    sparsity: float = typer.Option(0.05, help="Draft budget as a share of the prefix."),
+    min_tokens: int = typer.Option(256, help="Smallest draft budget in tokens."),
+    collect: str = typer.Option("two", help="vegas: verify rows that select (two, all, last)."),
+    score: str = typer.Option("logit", help="vegas: logit or weight."),
+    granularity: str = typer.Option("layer", help="vegas: layer or kv_head."),
     device: str = typer.Option("auto", help="cpu, cuda, cuda:N or auto."),
     dtype: str = typer.Option("auto", help="float32, bfloat16, float16 or auto (bf16 on GPU, fp32 on CPU)."),
     debug: bool = typer.Option(False, help="Show tracebacks."),
 ) -> None:
     """Generate text from one prompt and report decode speed."""
+    from vegas_core import SpecConfig, load_model
     from vegas_core import generate as run_generate
-    from vegas_core import load_model
 
     if (prompt is None) == (prompt_file is None):
         raise VegasError("give exactly one of --prompt or --prompt-file")
@@ -109,6 +116,10 @@ def generate(
         if not prompt_file.is_file():
             raise VegasError(f"prompt file not found: {prompt_file}")
         prompt = prompt_file.read_text(encoding="utf-8", errors="replace")
+    spec = None
+    if drafter is not None:
+        spec = SpecConfig(drafter=drafter, gamma=gamma, sparsity=sparsity, min_tokens=min_tokens,
+                          collect=collect, score=score, granularity=granularity)
     with stderr.status(f"loading {model} ..."):
         loaded = load_model(model, device=device, dtype=dtype)
     stderr.print(f"model: {loaded.label} on {loaded.device} ({str(loaded.dtype).removeprefix('torch.')})")
@@ -125,7 +136,7 @@ def generate(
 
         result = run_generate(loaded, [prompt], max_new_tokens, temperature=temperature,
                               top_p=top_p, top_k=top_k, seed=seed, ignore_eos=ignore_eos,
-                              progress=progress)
+                              spec=spec, progress=progress)
     text = result.texts[0] if result.texts else " ".join(map(str, result.tokens[0]))
     typer.echo(text)
     s = result.stats
@@ -133,6 +144,14 @@ def generate(
         f"prompt {s.prompt_tokens[0]} tok, prefill {s.prefill_seconds:.2f} s; "
         f"generated {s.new_tokens[0]} tok, decode {s.tokens_per_second:.1f} tok/s"
     )
+    if spec is not None:
+        by_pos = " ".join(f"{a:.2f}" for a in s.acceptance_by_position)
+        stderr.print(
+            f"{spec.drafter} gamma={spec.gamma}: mean accepted length {s.mean_accepted_length:.2f} "
+            f"over {s.iterations} iterations; acceptance by position {by_pos}; draft "
+            f"{s.draft_seconds:.2f} s, verify {s.verify_seconds:.2f} s, selection "
+            f"{s.selection_seconds:.3f} s ({100 * s.selection_overhead:.1f}% of decode)"
+        )
 
 
 def main() -> None:

@@ -98,27 +98,34 @@ def prefill(model: LoadedModel, prompt_ids: list[list[int]], cache: KVCache, *,
     """Run the prompts through the model in chunks; returns the last row's hidden state
     per sequence, [B, hidden], and sets ``cache.lengths`` to the prompt lengths.
 
-    Sequences are prefilled one at a time through batch-1 views of the cache, so a
-    ragged batch costs no padding. An empty prompt is skipped (its row stays zero).
+    Prompts of one length run as a batch; otherwise each sequence runs alone through a
+    batch-1 view of the cache, so a ragged batch costs no padding. An empty prompt is
+    skipped (its row stays zero).
     """
     net, dev = model.net, model.device
     window = model.config.sliding_window
     last_hidden = torch.zeros(len(prompt_ids), model.config.hidden_size, dtype=model.dtype,
                               device=dev)
+    # Equal lengths run as one batch; a ragged batch runs sequence by sequence.
+    if len({len(p) for p in prompt_ids}) == 1:
+        groups = [(list(range(len(prompt_ids))), cache)]
+    else:
+        groups = [([b], cache.sequence(b)) for b in range(len(prompt_ids))]
     total, done = sum(len(p) for p in prompt_ids), 0
-    for b, ids in enumerate(prompt_ids):
-        view = cache.sequence(b)
-        tokens = torch.tensor([ids], dtype=torch.long, device=dev)
-        for start in range(0, len(ids), chunk):
-            end = min(len(ids), start + chunk)
-            positions = torch.arange(start, end, device=dev)[None]  # [1, T]
+    for rows, view in groups:
+        ids = [prompt_ids[b] for b in rows]
+        n = len(ids[0])
+        tokens = torch.tensor(ids, dtype=torch.long, device=dev)
+        for start in range(0, n, chunk):
+            end = min(n, start + chunk)
+            positions = torch.arange(start, end, device=dev).expand(len(rows), -1)  # [B, T]
             hidden = net(tokens[:, start:end], positions, view,
                          AttentionMeta.full(positions, end, window))
-            done += end - start
+            done += (end - start) * len(rows)
             if progress:
                 progress("prefill", done, total)
-        if ids:
-            last_hidden[b] = hidden[0, -1]
+        if n:
+            last_hidden[rows] = hidden[:, -1]
     cache.lengths.copy_(torch.tensor([len(p) for p in prompt_ids], device=dev))
     return last_hidden
 

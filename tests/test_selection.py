@@ -1,0 +1,179 @@
+"""Selection against brute-force references; budgets; the recent tail; rollback."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from vegas_core import SpecConfig
+from vegas_core.attention import AttentionMeta, ScoreCollector, attend
+from vegas_core.cache import KVCache
+from vegas_core.selection import (STREAMING_SINKS, OracleSelection, QuestSelection,
+                                  SelectionInputs, draft_budget, make_drafter)
+from vegas_core.spec_config import COLLECT, GRANULARITIES, SCORES
+from tests.test_engine import tiny_model
+
+L, B, HKV, T, S = 3, 2, 2, 5, 40
+
+
+def random_collector(seed: int = 0) -> ScoreCollector:
+    g = torch.Generator().manual_seed(seed)
+    c = ScoreCollector({"logit", "weight"})
+    for layer in range(L):
+        c.logit[layer] = torch.randn(B, HKV, T, S, generator=g)
+        c.weight[layer] = torch.rand(B, HKV, T, S, generator=g)
+    return c
+
+
+def inputs(collector, prefix_len, budget, last_row) -> SelectionInputs:
+    return SelectionInputs(collector, T, torch.tensor(last_row), torch.tensor(prefix_len),
+                           torch.tensor(budget), iteration=1, num_layers=L)
+
+
+def brute_force_vegas(c, collect, score, granularity, prefix_len, budget, last_row):
+    """Python loops: sum the collected rows and heads, sort, take the top budget."""
+    chosen = {}
+    table = c.logit if score == "logit" else c.weight
+    for layer in range(L):
+        for b in range(B):
+            rows = {"two": [0, T - 1], "all": list(range(T)), "last": [last_row[b]]}[collect]
+            groups = [[0, 1]] if granularity == "layer" else [[0], [1]]
+            for g, heads in enumerate(groups):
+                totals = [sum(float(table[layer][b, h, r, s]) for h in heads for r in rows)
+                          for s in range(prefix_len[b])]
+                order = sorted(range(prefix_len[b]), key=lambda s: -totals[s])
+                chosen[layer, b, g] = set(order[: budget[b]])
+    return chosen
+
+
+@pytest.mark.parametrize("collect", COLLECT)
+@pytest.mark.parametrize("score", SCORES)
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_vegas_topk_matches_brute_force(collect, score, granularity):
+    c = random_collector()
+    prefix_len, budget, last_row = [33, 20], [7, 5], [2, 0]
+    spec = SpecConfig(collect=collect, score=score, granularity=granularity)
+    sel = make_drafter(spec, L).select(inputs(c, prefix_len, budget, last_row))
+    expected = brute_force_vegas(c, collect, score, granularity, prefix_len, budget, last_row)
+    for (layer, b, g), want in expected.items():
+        got = set(sel.indices[layer, b, g, : sel.counts[layer, b]].tolist())
+        assert got == want
+    assert sel.tail_start.tolist() == prefix_len
+
+
+def test_collector_keeps_the_verify_pass_scores():
+    g = torch.Generator().manual_seed(1)
+    cache = KVCache(1, 1, 16, 2, 4, dtype=torch.float64, device="cpu")
+    cache.k.copy_(torch.randn(cache.k.shape, generator=g, dtype=torch.float64))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=g, dtype=torch.float64))
+    q = torch.randn(1, 3, 6, 4, generator=g, dtype=torch.float64)  # 3 rows, 6 heads, group 3
+    positions = torch.tensor([[10, 11, 12]])
+    collector = ScoreCollector({"logit", "weight"})
+    attend(q, cache, 0, AttentionMeta.verify(positions, 13, collector=collector))
+    k = cache.k[0, 0, :, :13]  # [H_kv, S, D]
+    for kv in range(2):
+        heads = range(3 * kv, 3 * kv + 3)
+        logits = torch.stack([q[0, :, h] @ k[kv].T / 2.0 for h in heads])  # [3, T, S]
+        causal = torch.arange(13)[None] <= positions[0][:, None]
+        weights = torch.softmax(logits.masked_fill(~causal, float("-inf")), -1)
+        torch.testing.assert_close(collector.logit[0][0, kv],
+                                   logits.masked_fill(~causal, 0).sum(0))
+        torch.testing.assert_close(collector.weight[0][0, kv], weights.sum(0))
+
+
+def test_budget_rule():
+    prefix = torch.tensor([1000, 1001, 100, 10, 0])
+    assert draft_budget(prefix, 0.05, 16).tolist() == [50, 51, 16, 10, 0]
+    assert draft_budget(torch.tensor([8000]), 0.05, 256).tolist() == [400]
+
+
+def test_budget_covering_the_prefix_selects_all_of_it():
+    c = random_collector(2)
+    sel = make_drafter(SpecConfig(), L).select(inputs(c, [12, 9], [12, 9], [0, 0]))
+    for layer in range(L):
+        assert set(sel.indices[layer, 0, 0, :12].tolist()) == set(range(12))
+        assert set(sel.indices[layer, 1, 0, :9].tolist()) == set(range(9))
+
+
+def test_streaming_keeps_sinks_and_the_most_recent_prefix():
+    sel = make_drafter(SpecConfig(drafter="streaming"), L).select(
+        inputs(None, [100, 30], [40, 30], [0, 0]))
+    first = set(sel.indices[0, 0, 0, : sel.counts[0, 0]].tolist())
+    assert first == set(range(STREAMING_SINKS)) | set(range(100 - 24, 100))
+    assert set(sel.indices[2, 1, 0, : sel.counts[2, 1]].tolist()) == set(range(30))
+
+
+@pytest.mark.parametrize("kind", ["vegas", "streaming", "quest", "oracle"])
+def test_recent_tail_is_always_attended(kind):
+    torch.manual_seed(0)
+    prefix_len, budget = torch.tensor([30, 21]), torch.tensor([4, 4])
+    if kind == "quest":
+        sel = QuestSelection(prefix_len, budget)
+    elif kind == "oracle":
+        sel = OracleSelection(prefix_len, budget, "logit", "layer")
+    else:
+        sel = make_drafter(SpecConfig(drafter=kind), 1).select(SelectionInputs(
+            random_collector(), T, torch.tensor([0, 0]), prefix_len, budget, 1, 1))
+    positions = torch.tensor([[35], [27]])
+    q, k = torch.randn(B, 1, 4, 8), torch.randn(B, HKV, S, 8)
+    mask = AttentionMeta.draft(positions, S, sel).mask(0, q, k)  # [B, G, 1, 1, S]
+    for b in range(B):
+        row = mask[b, :, 0, 0]
+        start, pos = int(prefix_len[b]), int(positions[b, 0])
+        assert row[:, start : pos + 1].all()  # the tail up to the query itself
+        assert not row[:, pos + 1 :].any()  # nothing after it
+        assert (row[:, :start].sum(-1) <= 16).all()  # prefix within budget (Quest: pages)
+
+
+def test_oracle_takes_the_exact_top_k_of_the_draft_query():
+    torch.manual_seed(1)
+    q, k = torch.randn(1, 1, 4, 8), torch.randn(1, 2, 24, 8)
+    sel = OracleSelection(torch.tensor([20]), torch.tensor([5]), "logit", "layer")
+    mask = sel.prefix_mask(0, 24, q, k, torch.tensor([[22]]))
+    scores = torch.einsum("hd,hsd->hs", q[0, 0], k[0].repeat_interleave(2, 0)).sum(0)
+    want = set(torch.topk(scores[:20], 5).indices.tolist())
+    assert set(mask[0, 0].nonzero().flatten().tolist()) == want
+
+
+def test_quest_scores_pages_by_key_bounds():
+    torch.manual_seed(2)
+    q, k = torch.randn(1, 1, 2, 4), torch.randn(1, 1, 64, 4)  # one KV head, 4 pages of 16
+    sel = QuestSelection(torch.tensor([64]), torch.tensor([32]))  # 2 pages
+    mask = sel.prefix_mask(0, 64, q, k, torch.tensor([[70]]))
+    kmax = k[0, 0].view(4, 16, 4).amax(1)
+    kmin = k[0, 0].view(4, 16, 4).amin(1)
+    score = sum(torch.maximum(q[0, 0, h] * kmax, q[0, 0, h] * kmin).sum(-1) for h in range(2))
+    best_other = int(torch.argmax(score[:3]))  # the last page (3) is always kept
+    want = set(range(48, 64)) | set(range(16 * best_other, 16 * best_other + 16))
+    assert set(mask[0, 0].nonzero().flatten().tolist()) == want
+
+
+def test_rollback_leaves_the_cache_as_vanilla_decoding_would():
+    from vegas_core.sampling import SamplingParams
+    from vegas_core.speculative import SpeculativeSession
+
+    model = tiny_model()
+    prompts = [list(range(3, 43)), list(range(10, 31))]
+    session = SpeculativeSession(model, prompts, SpecConfig(gamma=4, sparsity=0.1, min_tokens=3),
+                                 SamplingParams(), 30, prefill_chunk=16)
+    committed = [list(p) for p in prompts]
+    pending = session.pending.tolist()
+    for _ in range(5):
+        new = session.step(torch.tensor([True, True]))
+        for b in range(2):
+            committed[b].append(pending[b])
+            committed[b].extend(new[b][:-1])
+        pending = [new[b][-1] for b in range(2)]
+    assert session.last_accepted.tolist() != [4, 4]  # some drafts were rejected
+    net = model.net
+    for b in range(2):
+        n = len(committed[b])
+        assert int(session.cache.lengths[b]) == n
+        fresh = net.new_cache(1, n)
+        positions = torch.arange(n)[None]
+        with torch.inference_mode():
+            net(torch.tensor([committed[b]]), positions, fresh, AttentionMeta.full(positions, n))
+        torch.testing.assert_close(session.cache.k[:, b, :, :n], fresh.k[:, 0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(session.cache.v[:, b, :, :n], fresh.v[:, 0], rtol=1e-5, atol=1e-5)
