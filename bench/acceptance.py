@@ -1,0 +1,152 @@
+"""Acceptance of every drafter at matched budgets on long embedded prompts.
+
+Runs vanilla greedy once per prompt, then each drafter at each sparsity, and records the
+mean accepted length (1 + accepted drafts per iteration, bonus included), the
+acceptance by draft position, and whether the output equals vanilla's token for token.
+Writes a Markdown table (with the hardware and the command) and the raw rows as JSON.
+
+    python bench/acceptance.py --ctx 4096 --gamma 6 --sparsity 0.05 --out docs/results/acceptance-cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from vegas_core import SpecConfig, generate, load_model  # noqa: E402
+from vegas_core.selection import draft_budget  # noqa: E402
+from vegas_core.spec_config import DRAFTERS  # noqa: E402
+from vegas_tune.datasets import embedded_prompts  # noqa: E402
+
+
+def hardware() -> str:
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name()} (CUDA {torch.version.cuda})"
+    return f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def run(args, out: Path) -> list[dict]:
+    model = load_model(args.model, device=args.device, dtype=args.dtype)
+    rows: list[dict] = []
+    for dataset in args.datasets:
+        for ctx in args.ctx:
+            prompts = embedded_prompts(model.tokenizer, dataset, ctx, args.num_prompts)
+            for prompt in prompts:
+                t = time.perf_counter()
+                vanilla = generate(model, [prompt.ids], args.max_new_tokens, ignore_eos=True)
+                print(f"[{dataset} ctx={ctx} {prompt.name}] vanilla {time.perf_counter() - t:.1f}s",
+                      file=sys.stderr, flush=True)
+                for sparsity in args.sparsity:
+                    for drafter in args.drafters:
+                        spec = SpecConfig(drafter=drafter, gamma=args.gamma, sparsity=sparsity,
+                                          min_tokens=args.min_tokens)
+                        result = generate(model, [prompt.ids], args.max_new_tokens,
+                                          ignore_eos=True, spec=spec)
+                        s = result.stats
+                        rows.append(dict(
+                            dataset=dataset, prompt=prompt.name, ctx=ctx, drafter=drafter,
+                            sparsity=sparsity, gamma=args.gamma,
+                            budget=int(draft_budget(torch.tensor([ctx]), sparsity,
+                                                    args.min_tokens)),
+                            mean_accepted_length=s.mean_accepted_length,
+                            acceptance_by_position=s.acceptance_by_position,
+                            iterations=s.iterations,
+                            matches_vanilla=result.tokens == vanilla.tokens,
+                        ))
+                        print(f"  {drafter:10s} s={sparsity:<5} mal={s.mean_accepted_length:.2f}"
+                              f" exact={rows[-1]['matches_vanilla']}", file=sys.stderr, flush=True)
+                # Rows so far, so an interrupted run still leaves its measurements.
+                write_atomic(out.with_suffix(".json"), json.dumps(rows, indent=1))
+    return rows
+
+
+def summarize(rows: list[dict], args, seconds: float) -> str:
+    groups: dict[tuple, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    exact = defaultdict(list)
+    for r in rows:
+        groups[(r["dataset"], r["ctx"], r["sparsity"])][r["drafter"]].append(r["mean_accepted_length"])
+        exact[r["drafter"]].append(r["matches_vanilla"])
+    drafters = [d for d in args.drafters]
+    lines = [
+        "# Acceptance by drafter at matched budgets",
+        "",
+        f"- Model: {args.model} ({args.dtype}), greedy, gamma = {args.gamma}, "
+        f"{args.max_new_tokens} new tokens, budget = max({args.min_tokens}, ceil(sparsity x prefix)) "
+        f"per layer and sequence, the same for every drafter.",
+        f"- Hardware: {hardware()}; torch {torch.__version__}; {args.num_prompts} prompts per dataset.",
+        f"- Date: {datetime.date.today()}; run time {seconds / 60:.1f} min.",
+        f"- Command: `python {' '.join(shlex.quote(a) for a in sys.argv)}`",
+        "- Metric: mean accepted length = 1 + accepted drafts per iteration (bonus included), "
+        "averaged over prompts.",
+        "",
+        "| dataset | ctx | sparsity | " + " | ".join(drafters) + " | vegas - streaming | "
+        "gap to oracle closed |",
+        "| --- | --- | --- | " + " | ".join("---" for _ in drafters) + " | --- | --- |",
+    ]
+    verdicts = []
+    for (dataset, ctx, sparsity), by in sorted(groups.items()):
+        mean = {d: sum(v) / len(v) for d, v in by.items()}
+        cells = [f"{mean[d]:.2f}" if d in mean else "-" for d in drafters]
+        delta = closed = "-"
+        if {"vegas", "streaming"} <= mean.keys():
+            delta = f"{mean['vegas'] - mean['streaming']:+.2f}"
+            verdicts.append(mean["vegas"] >= mean["streaming"])
+            if "oracle" in mean and mean["oracle"] > mean["streaming"]:
+                closed = f"{(mean['vegas'] - mean['streaming']) / (mean['oracle'] - mean['streaming']):.0%}"
+        lines.append(f"| {dataset} | {ctx} | {sparsity} | " + " | ".join(cells)
+                     + f" | {delta} | {closed} |")
+    lines += ["", "Exact match with vanilla greedy output (prompts):", ""]
+    lines += [f"- {d}: {sum(v)}/{len(v)}" for d, v in exact.items()]
+    if verdicts:
+        held = sum(verdicts)
+        lines += ["", f"vegas >= streaming at equal budget held in {held} of {len(verdicts)} "
+                      "(dataset, ctx, sparsity) groups."]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--datasets", nargs="+", default=["code", "prose", "retrieval"])
+    p.add_argument("--ctx", nargs="+", type=int, default=[4096])
+    p.add_argument("--sparsity", nargs="+", type=float, default=[0.05])
+    p.add_argument("--drafters", nargs="+", default=list(DRAFTERS), choices=DRAFTERS)
+    p.add_argument("--gamma", type=int, default=6)
+    p.add_argument("--min-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--num-prompts", type=int, default=2)
+    p.add_argument("--from-json", type=Path, default=None,
+                   help="summarize rows measured earlier (e.g. by a run that was cut short)")
+    p.add_argument("--out", default="docs/results/acceptance",
+                   help="path without suffix: writes OUT.md and OUT.json")
+    args = p.parse_args()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    t = time.perf_counter()
+    rows = json.loads(args.from_json.read_text()) if args.from_json else run(args, out)
+    write_atomic(out.with_suffix(".md"), summarize(rows, args, time.perf_counter() - t))
+    print(out.with_suffix(".md").read_text())
+
+
+if __name__ == "__main__":
+    main()
