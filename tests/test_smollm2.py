@@ -74,3 +74,14 @@ def test_cli_generates_and_reports_speed(capsys):
     assert code == 0
     assert out.out.strip()
     assert "tok/s" in out.err and "smollm2-135m" in out.err
+
+
+def test_cli_decodes_speculatively_and_reports_acceptance(capsys):
+    from vegas_core.cli import app, run_app
+
+    argv = ["generate", "--prompt", "def add(a, b):\n    return a + b\n" * 20,
+            "--max-new-tokens", "12", "--drafter", "vegas", "--gamma", "3", "--min-tokens", "16"]
+    code = run_app(app, argv, prog_name="vegas")
+    out = capsys.readouterr()
+    assert code == 0 and out.out.strip()
+    assert "mean accepted length" in out.err and "acceptance by position" in out.err

@@ -44,24 +44,24 @@ def short_batch(smollm):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("drafter", DRAFTERS)
-def test_every_drafter_is_lossless_in_greedy(smollm, long_batch, drafter):
+@pytest.mark.parametrize("gamma, sparsity, min_tokens", [(4, 0.05, 32), (7, 0.15, 64)])
+def test_every_drafter_is_lossless_in_greedy(smollm, long_batch, drafter, gamma, sparsity,
+                                             min_tokens):
     prompts, vanilla = long_batch
-    spec = SpecConfig(drafter=drafter, gamma=4, sparsity=0.05, min_tokens=32)
+    spec = SpecConfig(drafter=drafter, gamma=gamma, sparsity=sparsity, min_tokens=min_tokens)
     out = generate(smollm, prompts, max_new_tokens=32, ignore_eos=True, spec=spec)
     assert out.tokens == vanilla
     assert 1.0 <= out.stats.mean_accepted_length <= spec.gamma + 1
+    assert len(out.stats.acceptance_by_position) == gamma
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("gamma, sparsity, min_tokens", [(1, 0.05, 32), (8, 0.02, 16),
-                                                         (6, 0.3, 256)])
-def test_vegas_is_lossless_across_gamma_and_sparsity(smollm, long_batch, gamma, sparsity,
-                                                     min_tokens):
+@pytest.mark.parametrize("gamma, sparsity, min_tokens", [(1, 0.05, 32), (8, 0.02, 16)])
+def test_vegas_is_lossless_at_extreme_gamma(smollm, long_batch, gamma, sparsity, min_tokens):
     prompts, vanilla = long_batch
     spec = SpecConfig(gamma=gamma, sparsity=sparsity, min_tokens=min_tokens)
     out = generate(smollm, prompts, max_new_tokens=32, ignore_eos=True, spec=spec)
     assert out.tokens == vanilla
-    assert len(out.stats.acceptance_by_position) == gamma
 
 
 @pytest.mark.slow
