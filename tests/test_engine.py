@@ -102,3 +102,23 @@ def test_eos_stops_each_sequence():
     model.tokenizer = Tok()
     out = generate(model, [prompt(10)], max_new_tokens=6).tokens[0]
     assert out == first[: first.index(first[2]) + 1]
+
+
+def test_prefix_cache_reuses_prompt_kv_without_changing_outputs():
+    from vegas_core import SpecConfig
+    from vegas_core.generation import PrefixCache
+
+    model = tiny_model()
+    prompts = [prompt(60, seed=1), prompt(45, seed=2)]
+    reuse = PrefixCache(max_bytes=1 << 30)
+    plain = generate(model, prompts, max_new_tokens=12, ignore_eos=True)
+    first = generate(model, prompts, max_new_tokens=12, ignore_eos=True, prefix_cache=reuse)
+    assert len(reuse._entries) == 2
+    again = generate(model, prompts, max_new_tokens=12, ignore_eos=True, prefix_cache=reuse)
+    spec = generate(model, prompts, max_new_tokens=12, ignore_eos=True, prefix_cache=reuse,
+                    spec=SpecConfig(gamma=3, min_tokens=4, sparsity=0.1))
+    assert plain.tokens == first.tokens == again.tokens == spec.tokens
+    assert len(reuse._entries) == 2  # the spec run's prompt heads were served from the store
+    tiny = PrefixCache(max_bytes=1)
+    generate(model, prompts, max_new_tokens=2, prefix_cache=tiny)
+    assert not tiny._entries

@@ -15,7 +15,7 @@ PUBLISHED_PARAMS = {"qwen3-8b": 8.19e9, "qwen3-4b": 4.02e9, "llama-3.1-8b": 8.03
                     "qwen2.5-7b": 7.62e9, "smollm2-135m": 0.135e9}
 
 
-@pytest.mark.parametrize("preset", sorted(PRESETS))
+@pytest.mark.parametrize("preset", sorted(set(PRESETS) - {"tiny"}))
 def test_dummy_presets_have_the_published_size(preset):
     config = preset_config(preset)
     with torch.device("meta"):

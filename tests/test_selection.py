@@ -177,3 +177,31 @@ def test_rollback_leaves_the_cache_as_vanilla_decoding_would():
             net(torch.tensor([committed[b]]), positions, fresh, AttentionMeta.full(positions, n))
         torch.testing.assert_close(session.cache.k[:, b, :, :n], fresh.k[:, 0], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(session.cache.v[:, b, :, :n], fresh.v[:, 0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [0.25, 0.5, 0.75])
+def test_window_reserves_sinks_and_recent_then_fills_by_score(window):
+    c = random_collector(3)
+    prefix_len, budget = [36, 30], [12, 8]
+    spec = SpecConfig(window=window, granularity="kv_head")
+    sel = make_drafter(spec, L).select(inputs(c, prefix_len, budget, [0, 0]))
+    for b in range(B):
+        reserved = math.floor(budget[b] * window)
+        sinks = min(reserved, STREAMING_SINKS)
+        must = set(range(sinks)) | set(range(prefix_len[b] - (reserved - sinks), prefix_len[b]))
+        for layer in range(L):
+            for g in range(HKV):
+                got = set(sel.indices[layer, b, g, : sel.counts[layer, b]].tolist())
+                assert must <= got and len(got) == budget[b]
+                # The rest are the best-scoring other prefix slots.
+                totals = sum(c.logit[layer][b, g, r] for r in (0, T - 1))
+                others = sorted((s for s in range(prefix_len[b]) if s not in must),
+                                key=lambda s: -float(totals[s]))
+                assert got - must == set(others[: budget[b] - len(must)])
+
+
+def test_window_out_of_range_is_refused():
+    from vegas_core.errors import VegasError
+
+    with pytest.raises(VegasError, match="window"):
+        SpecConfig(window=0.9)

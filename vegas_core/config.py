@@ -154,6 +154,12 @@ PRESETS: dict[str, dict[str, Any]] = {
         rope_theta=1e6, qkv_bias=True, bos_token_id=151643, eos_token_ids=[151645],
         max_position_embeddings=131072,
     ),
+    # Not a real model: a few-layer shape with a byte vocabulary, for smoke tests and CI.
+    "tiny": dict(
+        family="qwen3", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+        num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
+        qk_norm=True, max_position_embeddings=16384,
+    ),
     "smollm2-135m": dict(
         family="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
         num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5,

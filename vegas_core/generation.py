@@ -91,27 +91,69 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class PrefixCache:
+    """K/V of prompts already prefilled, kept across ``generate`` calls on one model.
+
+    Tuning measures many configurations on the same prompts; the prompt's K/V do not
+    depend on the configuration (slot p depends on tokens 0..p only), so they are
+    computed once. A stored prompt also serves any of its leading parts. Entries past
+    ``max_bytes`` are not kept.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._entries: list[tuple[tuple[int, ...], torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._bytes = 0
+
+    def find(self, ids: list[int], need_last_hidden: bool):
+        """(k [L, H_kv, n, D], v, last_hidden) of a stored prompt starting with ``ids``."""
+        key = tuple(ids)
+        for stored, k, v, last in self._entries:
+            exact = len(stored) == len(key)
+            if stored[: len(key)] == key and (exact or not need_last_hidden):
+                return k[:, :, : len(key)], v[:, :, : len(key)], (last if exact else None)
+        return None
+
+    def add(self, ids: list[int], k: torch.Tensor, v: torch.Tensor, last: torch.Tensor) -> None:
+        size = 2 * k.numel() * k.element_size()
+        if self._bytes + size <= self.max_bytes and self.find(ids, True) is None:
+            self._entries.append((tuple(ids), k.clone(), v.clone(), last.clone()))
+            self._bytes += size
+
+
 @torch.inference_mode()
 def prefill(model: LoadedModel, prompt_ids: list[list[int]], cache: KVCache, *,
-            chunk: int = DEFAULT_PREFILL_CHUNK, progress: ProgressFn | None = None
-            ) -> torch.Tensor:
+            chunk: int = DEFAULT_PREFILL_CHUNK, progress: ProgressFn | None = None,
+            reuse: PrefixCache | None = None, need_last_hidden: bool = True) -> torch.Tensor:
     """Run the prompts through the model in chunks; returns the last row's hidden state
     per sequence, [B, hidden], and sets ``cache.lengths`` to the prompt lengths.
 
     Prompts of one length run as a batch; otherwise each sequence runs alone through a
     batch-1 view of the cache, so a ragged batch costs no padding. An empty prompt is
-    skipped (its row stays zero).
+    skipped (its row stays zero). With ``reuse``, stored prompts are copied in instead
+    of recomputed, and computed ones are stored.
     """
     net, dev = model.net, model.device
     window = model.config.sliding_window
     last_hidden = torch.zeros(len(prompt_ids), model.config.hidden_size, dtype=model.dtype,
                               device=dev)
+    todo = []
+    for b, ids in enumerate(prompt_ids):
+        hit = reuse.find(ids, need_last_hidden) if reuse is not None and ids else None
+        if hit is None:
+            todo.append(b)
+            continue
+        k, v, last = hit
+        cache.k[:, b, :, : len(ids)] = k
+        cache.v[:, b, :, : len(ids)] = v
+        if last is not None:
+            last_hidden[b] = last
     # Equal lengths run as one batch; a ragged batch runs sequence by sequence.
-    if len({len(p) for p in prompt_ids}) == 1:
-        groups = [(list(range(len(prompt_ids))), cache)]
+    if len(todo) == len(prompt_ids) and len({len(p) for p in prompt_ids}) == 1:
+        groups = [(todo, cache)]
     else:
-        groups = [([b], cache.sequence(b)) for b in range(len(prompt_ids))]
-    total, done = sum(len(p) for p in prompt_ids), 0
+        groups = [([b], cache.sequence(b)) for b in todo]
+    total, done = sum(len(prompt_ids[b]) for b in todo), 0
     for rows, view in groups:
         ids = [prompt_ids[b] for b in rows]
         n = len(ids[0])
@@ -126,6 +168,10 @@ def prefill(model: LoadedModel, prompt_ids: list[list[int]], cache: KVCache, *,
                 progress("prefill", done, total)
         if n:
             last_hidden[rows] = hidden[:, -1]
+            if reuse is not None:
+                for b in rows:
+                    reuse.add(prompt_ids[b], cache.k[:, b, :, :n], cache.v[:, b, :, :n],
+                              last_hidden[b])
     cache.lengths.copy_(torch.tensor([len(p) for p in prompt_ids], device=dev))
     return last_hidden
 
@@ -143,6 +189,7 @@ def generate(
     ignore_eos: bool = False,
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
     progress: ProgressFn | None = None,
+    prefix_cache: PrefixCache | None = None,
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` per prompt.
 
@@ -150,6 +197,7 @@ def generate(
     with its drafter, losslessly. Greedy when ``temperature`` is 0; otherwise sampling
     after top-k and top-p with a generator seeded by ``seed``. A sequence stops at its
     first EOS token unless ``ignore_eos``; the batch stops when all have.
+    ``prefix_cache`` reuses prompt K/V across calls (see ``PrefixCache``).
     """
     params = SamplingParams(temperature, top_p, top_k, seed)
     if prefill_chunk < 1:
@@ -159,7 +207,7 @@ def generate(
 
         return generate_speculative(model, prompts, max_new_tokens, spec, params,
                                     ignore_eos=ignore_eos, prefill_chunk=prefill_chunk,
-                                    progress=progress)
+                                    progress=progress, prefix_cache=prefix_cache)
     prompt_ids = encode_prompts(model, prompts)
     check_lengths(model, prompt_ids, max_new_tokens)
     dev, net = model.device, model.net
@@ -170,7 +218,8 @@ def generate(
 
     _sync(dev)
     t0 = time.perf_counter()
-    last_hidden = prefill(model, prompt_ids, cache, chunk=prefill_chunk, progress=progress)
+    last_hidden = prefill(model, prompt_ids, cache, chunk=prefill_chunk, progress=progress,
+                          reuse=prefix_cache)
     with torch.inference_mode():
         next_tokens = choose_tokens(net.logits(last_hidden), params, generator)  # [B]
     _sync(dev)

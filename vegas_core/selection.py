@@ -67,6 +67,27 @@ def _topk_selection(scores: torch.Tensor, prefix_len: torch.Tensor, budget: torc
     return indices, budget[None].expand(l, b).clone()
 
 
+def streaming_slots(prefix_len: torch.Tensor, reserved: torch.Tensor) -> torch.Tensor:
+    """Boolean [B, S_max]: up to 16 sink slots, then the most recent prefix slots, so
+    that ``reserved[b]`` slots are marked (all of the prefix if it is shorter)."""
+    s = max(int(prefix_len.max()), 1)
+    slots = torch.arange(s, device=prefix_len.device)[None]
+    sinks = torch.clamp(reserved, max=STREAMING_SINKS)[:, None]
+    recent_start = (prefix_len - (reserved - sinks.squeeze(1)))[:, None]
+    return ((slots < sinks) | (slots >= recent_start)) & (slots < prefix_len[:, None])
+
+
+def _reserve_window(scores: torch.Tensor, prefix_len: torch.Tensor, budget: torch.Tensor,
+                    window: float) -> torch.Tensor:
+    """Give the window's sink and recent slots +inf scores, so top-k keeps them and fills
+    the rest of the budget by score."""
+    reserved = torch.floor(budget.double() * window).long()
+    keep = streaming_slots(prefix_len, reserved)  # [B, S']
+    s = scores.shape[-1]
+    keep = torch.nn.functional.pad(keep, (0, max(0, s - keep.shape[1])))[:, :s]
+    return scores.masked_fill(keep[None, :, None, :], float("inf"))
+
+
 def collected_rows(collect: str, window_rows: int, last_row: torch.Tensor) -> torch.Tensor:
     """[B, T] float weights of the window rows whose scores count (0 or 1)."""
     b = last_row.shape[0]
@@ -129,6 +150,8 @@ class VegasDrafter(Drafter):
         rows = collected_rows(self.spec.collect, inputs.window_rows, inputs.last_row)
         scores = vegas_scores(inputs.collector, rows, self.spec.score, self.spec.granularity,
                               self.num_layers)
+        if self.spec.window > 0:
+            scores = _reserve_window(scores, inputs.prefix_len, inputs.budget, self.spec.window)
         indices, counts = _topk_selection(scores, inputs.prefix_len, inputs.budget)
         return SparseSelection(indices, counts, inputs.prefix_len.clone())
 
@@ -138,16 +161,10 @@ class StreamingDrafter(Drafter):
     rebuilt at every iteration."""
 
     def select(self, inputs: SelectionInputs) -> SparseSelection:
-        prefix, budget = inputs.prefix_len, inputs.budget
-        k = max(int(budget.max()), 1)
-        j = torch.arange(k, device=prefix.device)[None]  # [1, K]
-        sinks = torch.clamp(budget, max=STREAMING_SINKS)[:, None]
-        # The first `sinks` entries are slots 0.., the rest count back from the prefix end.
-        recent = prefix[:, None] - (budget[:, None] - j)
-        indices = torch.where(j < sinks, j, recent).clamp(min=0)  # [B, K]
-        indices = indices[None, :, None, :].expand(self.num_layers, -1, 1, -1).contiguous()
-        counts = budget[None].expand(self.num_layers, -1).clone()
-        return SparseSelection(indices, counts, prefix.clone())
+        keep = streaming_slots(inputs.prefix_len, inputs.budget).float()  # [B, S]
+        scores = keep[None, :, None, :].expand(self.num_layers, -1, 1, -1)
+        indices, counts = _topk_selection(scores, inputs.prefix_len, inputs.budget)
+        return SparseSelection(indices, counts, inputs.prefix_len.clone())
 
 
 class SnapKVDrafter(Drafter):

@@ -10,6 +10,8 @@ DRAFTERS = ("vegas", "streaming", "quest", "snapkv", "specextend", "oracle", "de
 COLLECT = ("two", "all", "last")
 SCORES = ("logit", "weight")
 GRANULARITIES = ("layer", "kv_head")
+# At least a quarter of a vegas budget stays verification-guided.
+MAX_WINDOW = 0.75
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,9 @@ class SpecConfig:
         summed over the collected rows and the query heads.
     granularity: ``layer`` (one set per layer, shared by all heads) or ``kv_head``
         (one set per KV head, summing over its query group).
+    window: ``vegas`` only: the share of the budget (0 to 0.75) reserved for 16 sink
+        tokens and the most recent prefix tokens; the rest is the verification-guided
+        top-k. 0 is the paper's rule.
     """
 
     drafter: str = "vegas"
@@ -37,6 +42,7 @@ class SpecConfig:
     collect: str = "two"
     score: str = "logit"
     granularity: str = "layer"
+    window: float = 0.0
 
     def __post_init__(self) -> None:
         for name, allowed in (("drafter", DRAFTERS), ("collect", COLLECT),
@@ -48,6 +54,8 @@ class SpecConfig:
             raise VegasError(f"gamma must be between 1 and 64, got {self.gamma}")
         if not 0.0 < self.sparsity <= 1.0:
             raise VegasError(f"sparsity must be in (0, 1], got {self.sparsity}")
+        if not 0.0 <= self.window <= MAX_WINDOW:
+            raise VegasError(f"window must be between 0 and {MAX_WINDOW}, got {self.window}")
         if self.min_tokens < 1:
             raise VegasError(f"min_tokens must be >= 1, got {self.min_tokens}")
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 import torch
 
 from vegas_core.attention import AttentionMeta, ScoreCollector
-from vegas_core.generation import (GenerationResult, GenerationStats, ProgressFn, _sync,
-                                   check_lengths, encode_prompts, prefill)
+from vegas_core.generation import (GenerationResult, GenerationStats, PrefixCache, ProgressFn,
+                                   _sync, check_lengths, encode_prompts, prefill)
 from vegas_core.loading import LoadedModel
 from vegas_core.sampling import SamplingParams, choose_tokens, probabilities
 from vegas_core.selection import SelectionInputs, draft_budget, make_drafter
@@ -39,6 +39,8 @@ class SpeculativeStats(GenerationStats):
     mean_accepted_length: float = 0.0
     # acceptance_by_position[i-1]: rate at which draft position i was accepted.
     acceptance_by_position: list[float] = field(default_factory=list)
+    # (sequence, iteration) pairs in which a sequence was still generating.
+    sequence_rounds: int = 0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     selection_seconds: float = 0.0
@@ -54,7 +56,8 @@ class SpeculativeSession:
 
     def __init__(self, model: LoadedModel, prompt_ids: list[list[int]], spec: SpecConfig,
                  params: SamplingParams, max_new_tokens: int, *, prefill_chunk: int,
-                 progress: ProgressFn | None = None) -> None:
+                 progress: ProgressFn | None = None,
+                 prefix_cache: PrefixCache | None = None) -> None:
         self.model, self.spec, self.params = model, spec, params
         self.net = model.net
         self.dev = model.device
@@ -68,7 +71,7 @@ class SpeculativeSession:
         self.cache = self.net.new_cache(self.batch, longest + max_new_tokens + 2 * (spec.gamma + 1))
         self.iteration = 0
         self.timers = {"draft": 0.0, "verify": 0.0, "selection": 0.0}
-        self._prefill(prompt_ids, prefill_chunk, progress)
+        self._prefill(prompt_ids, prefill_chunk, progress, prefix_cache)
 
     def _collector(self) -> ScoreCollector | None:
         modes = self.drafter.collect_modes
@@ -86,14 +89,15 @@ class SpeculativeSession:
         self.timers["selection"] += time.perf_counter() - t
 
     @torch.inference_mode()
-    def _prefill(self, prompt_ids: list[list[int]], chunk: int, progress) -> None:
+    def _prefill(self, prompt_ids: list[list[int]], chunk: int, progress, prefix_cache) -> None:
         """Prefill all but the last W prompt tokens in chunks, then the last W as a
         verify-style window, whose scores make the first selection."""
         lengths = torch.tensor([len(p) for p in prompt_ids], device=self.dev)
         w = min(max(self.spec.gamma + 1, self.drafter.prefill_rows), int(lengths.min()))
         head = [p[: len(p) - w] for p in prompt_ids]
         if max(len(h) for h in head) > 0:
-            prefill(self.model, head, self.cache, chunk=chunk, progress=progress)
+            prefill(self.model, head, self.cache, chunk=chunk, progress=progress,
+                    reuse=prefix_cache, need_last_hidden=False)
         start = lengths - w
         positions = start[:, None] + torch.arange(w, device=self.dev)  # [B, W]
         tokens = torch.tensor([p[len(p) - w:] for p in prompt_ids], device=self.dev)
@@ -191,7 +195,8 @@ class SpeculativeSession:
 
 def generate_speculative(model: LoadedModel, prompts, max_new_tokens: int, spec: SpecConfig,
                          params: SamplingParams, *, ignore_eos: bool, prefill_chunk: int,
-                         progress: ProgressFn | None) -> GenerationResult:
+                         progress: ProgressFn | None,
+                         prefix_cache: PrefixCache | None = None) -> GenerationResult:
     prompt_ids = encode_prompts(model, prompts)
     check_lengths(model, prompt_ids, max_new_tokens)
     dev = model.device
@@ -200,7 +205,8 @@ def generate_speculative(model: LoadedModel, prompts, max_new_tokens: int, spec:
     _sync(dev)
     t0 = time.perf_counter()
     session = SpeculativeSession(model, prompt_ids, spec, params, max_new_tokens,
-                                 prefill_chunk=prefill_chunk, progress=progress)
+                                 prefill_chunk=prefill_chunk, progress=progress,
+                                 prefix_cache=prefix_cache)
     _sync(dev)
     t1 = time.perf_counter()
     prefill_selection = session.timers["selection"]
@@ -247,6 +253,7 @@ def generate_speculative(model: LoadedModel, prompts, max_new_tokens: int, spec:
         iterations=session.iteration,
         mean_accepted_length=1.0 + sum(by_position),
         acceptance_by_position=by_position,
+        sequence_rounds=rounds,
         draft_seconds=session.timers["draft"],
         verify_seconds=session.timers["verify"],
         selection_seconds=session.timers["selection"] - prefill_selection,

@@ -1,4 +1,9 @@
-"""Embedded workloads: long prompts built from text every Python installation carries.
+"""Workload prompts of an exact token length, for tuning and benchmarks.
+
+``load_prompts`` is the entry point: it takes an embedded dataset name, a local
+``.jsonl``/``.json``/``.parquet``/``.csv`` file, or a Hugging Face dataset id.
+
+Embedded workloads: long prompts built from text every Python installation carries.
 
 - ``code``: Python standard-library sources (the first ``ctx`` tokens of each module,
   continuing into the next module when one is short).
@@ -11,11 +16,17 @@
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import importlib
+import itertools
 import random
+import re
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from vegas_core.errors import VegasError
 
@@ -27,6 +38,8 @@ EMBEDDED_DATASETS = ("mixed", "code", "prose", "retrieval")
 # Share of a retrieval prompt taken by the key/value table.
 RETRIEVAL_TABLE_SHARE = 0.3
 RETRIEVAL_REPEATED_LINES = 4
+# Below this a prompt is too short to say anything about long-context drafting.
+MIN_CTX_TOKENS = 16
 
 
 @dataclass
@@ -92,8 +105,8 @@ def embedded_prompts(tokenizer, dataset: str, ctx: int, count: int, seed: int = 
     """``count`` prompts of exactly ``ctx`` tokens from an embedded dataset."""
     if dataset not in EMBEDDED_DATASETS:
         raise VegasError(f"unknown dataset '{dataset}'; embedded: {', '.join(EMBEDDED_DATASETS)}")
-    if ctx < 16:
-        raise VegasError(f"ctx must be at least 16 tokens, got {ctx}")
+    if ctx < MIN_CTX_TOKENS:
+        raise VegasError(f"ctx must be at least {MIN_CTX_TOKENS} tokens, got {ctx}")
     prompts = []
     for i in range(count):
         if dataset == "code" or (dataset == "mixed" and i % 2 == 0):
@@ -103,3 +116,183 @@ def embedded_prompts(tokenizer, dataset: str, ctx: int, count: int, seed: int = 
         else:
             prompts.append(retrieval_prompt(tokenizer, i, ctx, seed))
     return prompts
+
+
+# --- Prompts from files and Hugging Face datasets ------------------------------------
+
+# Column names that hold the prompt text, in order of preference.
+TEXT_COLUMNS = ("text", "prompt")
+# Short records are joined with a blank line, as paragraphs of one document.
+RECORD_SEPARATOR = "\n\n"
+FILE_READERS = (".jsonl", ".json", ".parquet", ".csv")
+# Suffixes that mark a name as meant to be a file, so a typo reads "file not found"
+# instead of being looked up on the Hugging Face Hub.
+FILE_LIKE_SUFFIXES = (*FILE_READERS, ".tsv", ".txt", ".gz", ".zst", ".arrow", ".xz", ".bz2")
+DEFAULT_HF_SPLIT = "train"
+# "name", "owner/name", "owner/name:split" (the Hub's own character set for ids).
+HF_ID_PATTERN = re.compile(r"^(?P<id>[\w.-]+(?:/[\w.-]+)?)(?::(?P<split>[\w.-]+))?$")
+# Token ids are hashed as little-endian 64-bit integers so the fingerprint does not
+# depend on the machine's byte order or on how Python stores the ints.
+FINGERPRINT_DTYPE = "<i8"
+
+
+def load_prompts(tokenizer, dataset: str, ctx: int, count: int, seed: int = 0) -> list[Prompt]:
+    """``count`` prompts of exactly ``ctx`` tokens from ``dataset``.
+
+    ``dataset`` is one of ``EMBEDDED_DATASETS``; a path to a ``.jsonl``/``.json``
+    (JSON lines), ``.parquet`` or ``.csv`` file with a ``text`` (or ``prompt``) column;
+    or a Hugging Face dataset id ``owner/name[:split]`` (split defaults to ``train``;
+    needs the ``datasets`` package). Records are used in order: a record of ``ctx``
+    tokens or more gives one prompt (truncated); shorter ones are joined with a blank
+    line until ``ctx`` tokens are reached. ``seed`` only affects the embedded
+    ``retrieval`` dataset. ``tokenizer`` needs ``encode(text) -> list[int]``.
+    """
+    if ctx < MIN_CTX_TOKENS:
+        raise VegasError(f"ctx must be at least {MIN_CTX_TOKENS} tokens, got {ctx}; "
+                         "use a larger --ctx")
+    if count < 1:
+        raise VegasError(f"the number of prompts must be at least 1, got {count}; "
+                         "use --num-prompts 1 or more")
+    if dataset in EMBEDDED_DATASETS:
+        return embedded_prompts(tokenizer, dataset, ctx, count, seed)
+
+    path = Path(dataset).expanduser()
+    if path.is_dir():
+        raise VegasError(f"dataset path {dataset} is a directory; "
+                         f"pass a {'/'.join(FILE_READERS)} file")
+    if path.is_file():
+        texts = _file_texts(path)
+        return _pack(tokenizer, texts, ctx, count, label=f"dataset file {path.name}",
+                     name_prefix=f"file:{path.name}")
+    if _looks_like_path(dataset):
+        raise VegasError(f"dataset file not found: {dataset}; check the path")
+
+    match = HF_ID_PATTERN.match(dataset)
+    if match is None:
+        raise VegasError(f"dataset '{dataset}' is not a file, an embedded dataset "
+                         f"({', '.join(EMBEDDED_DATASETS)}) or a Hugging Face id "
+                         "(owner/name[:split]); check the name")
+    try:
+        import datasets as hf_datasets
+    except ImportError:
+        raise VegasError(f"dataset '{dataset}' is not a file or an embedded dataset "
+                         f"({', '.join(EMBEDDED_DATASETS)}); Hugging Face dataset ids need "
+                         "`pip install datasets`") from None
+    hf_id, split = match["id"], match["split"] or DEFAULT_HF_SPLIT
+    texts = _hub_texts(hf_datasets, hf_id, split)
+    return _pack(tokenizer, texts, ctx, count, label=f"Hugging Face dataset {hf_id} ({split})",
+                 name_prefix=f"hf:{hf_id}:{split}")
+
+
+def dataset_fingerprint(prompts: list[Prompt]) -> str:
+    """SHA-256 hex digest of the prompts' token ids, in order (names are not hashed).
+
+    Each prompt's length is hashed before its ids, so moving a token from one prompt
+    to the next changes the digest.
+    """
+    digest = hashlib.sha256()
+    for prompt in prompts:
+        digest.update(np.asarray([len(prompt.ids)], dtype=FINGERPRINT_DTYPE).tobytes())
+        digest.update(np.asarray(prompt.ids, dtype=FINGERPRINT_DTYPE).tobytes())
+    return digest.hexdigest()
+
+
+def _looks_like_path(name: str) -> bool:
+    """Whether ``name`` was meant as a file path rather than a dataset id."""
+    if Path(name).suffix.lower() in FILE_LIKE_SUFFIXES:
+        return True
+    # A Hub id has at most one "/" and never starts like a relative or absolute path.
+    return name.startswith(("/", ".", "~")) or "\\" in name or name.count("/") > 1
+
+
+def _read_table(path: Path):
+    import pandas as pd
+
+    suffix = path.suffix.lower()
+    if suffix not in FILE_READERS:
+        raise VegasError(f"unsupported dataset file type '{suffix}' ({path.name}); "
+                         f"use a {'/'.join(FILE_READERS)} file")
+    try:
+        if suffix == ".parquet":
+            return pd.read_parquet(path)
+        if suffix == ".csv":
+            # keep_default_na=False: a record that reads "NA" is text, not a missing value.
+            return pd.read_csv(path, dtype=str, keep_default_na=False)
+        # dtype=False: no type or date conversion; the text must come back as written.
+        return pd.read_json(path, lines=True, dtype=False)
+    except Exception as exc:  # pandas/pyarrow raise many types for malformed files
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise VegasError(f"cannot read dataset file {path}: {reason}; "
+                         f"check that it is valid {suffix[1:]}") from None
+
+
+def _text_column(columns: Iterable[str], source: str) -> str:
+    columns = list(columns)
+    for name in TEXT_COLUMNS:
+        if name in columns:
+            return name
+    raise VegasError(f"{source} has no {' or '.join(repr(c) for c in TEXT_COLUMNS)} column "
+                     f"(columns: {', '.join(map(str, columns)) or 'none'}); "
+                     "rename the column that holds the prompts to 'text'")
+
+
+def _clean(value) -> str | None:
+    """The record's text, or None for a missing or blank record (dropped)."""
+    if value is None or (isinstance(value, float) and value != value):  # NaN
+        return None
+    text = value if isinstance(value, str) else str(value)
+    return text if text.strip() else None
+
+
+def _file_texts(path: Path) -> Iterator[str]:
+    table = _read_table(path)
+    column = _text_column(table.columns, f"dataset file {path.name}")
+    return (text for text in map(_clean, table[column]) if text is not None)
+
+
+def _hub_texts(hf_datasets, hf_id: str, split: str) -> Iterator[str]:
+    try:
+        records = iter(hf_datasets.load_dataset(hf_id, split=split, streaming=True))
+        first = next(records, None)
+    except Exception as exc:  # the Hub client raises many types (not found, gated, offline)
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise VegasError(f"cannot load Hugging Face dataset '{hf_id}' split '{split}': {reason}; "
+                         "check the id, the split and your network access") from None
+    if first is None:
+        return iter(())
+    column = _text_column(first.keys(), f"Hugging Face dataset {hf_id}")
+    # Records stream in; the first was read above to find the column.
+    cleaned = (_clean(record.get(column)) for record in itertools.chain([first], records))
+    return (text for text in cleaned if text is not None)
+
+
+def _pack(tokenizer, texts: Iterable[str], ctx: int, count: int, *, label: str,
+          name_prefix: str) -> list[Prompt]:
+    """Cut ``count`` prompts of ``ctx`` tokens from ``texts``, read lazily in order."""
+    prompts: list[Prompt] = []
+    pending: list[str] = []          # records waiting to be joined into the next prompt
+    pending_tokens = 0               # estimate: sum of their separate token counts
+    separator_tokens = len(tokenizer.encode(RECORD_SEPARATOR))
+    total_tokens = records = 0
+    for text in texts:
+        ids = tokenizer.encode(text)
+        records += 1
+        total_tokens += len(ids)
+        pending_tokens += len(ids) + (separator_tokens if pending else 0)
+        pending.append(text)
+        if pending_tokens < ctx:
+            continue
+        # Encode the joined text once, so merges across the separator and a tokenizer's
+        # BOS come out as they would for one document.
+        joined = ids if len(pending) == 1 else tokenizer.encode(RECORD_SEPARATOR.join(pending))
+        if len(joined) < ctx:
+            pending_tokens = len(joined)
+            continue
+        prompts.append(Prompt(f"{name_prefix}:{len(prompts)}", joined[:ctx]))
+        pending, pending_tokens = [], 0
+        if len(prompts) == count:
+            return prompts
+    raise VegasError(
+        f"{label} makes only {len(prompts)} of {count} prompts of {ctx} tokens: it holds "
+        f"{total_tokens} tokens in {records} records, and {count * ctx} are needed at least; "
+        "use a smaller --ctx or --num-prompts")

@@ -20,6 +20,8 @@ EMBEDDED = {
     ),
 }
 DEFAULT_MODEL = "smollm2-135m"
+# The Hugging Face repository each embedded model comes from (what a server loads).
+HUB_IDS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 
 
 def embedded_path(name: str) -> Path:

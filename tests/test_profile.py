@@ -1,0 +1,359 @@
+"""The profile schema: strict loading, atomic writing, diffs and deployment exports."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from vegas_core.errors import VegasError
+from vegas_tune.export import (VLLM_NOTE, VLLM_TARGET, build_exports, engine_settings,
+                               render_export, vllm_serve_config, vllm_speculative_config)
+from vegas_tune.profile import (SCHEMA_VERSION, Profile, Tuned, diff_profiles, load_profile,
+                                profile_from_dict, profile_to_dict, write_profile)
+
+MODEL_ID = "meta-llama/Llama-3.1-8B-Instruct"
+TUNED = dict(drafter="vegas", gamma=6, sparsity_ratio=0.05, min_tokens=256, collect="two",
+             score="logit", granularity="layer", window=0.125)
+
+
+def sample_profile_dict() -> dict:
+    """A valid profile as parsed from YAML: Llama 3.1 8B tuned on one H200 at 8k context."""
+    tuned = Tuned(**TUNED)
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "recommended": True,
+        "tuned": dict(TUNED),
+        "model": {
+            "id": MODEL_ID,
+            "path": "/models/Llama-3.1-8B-Instruct",
+            "architecture": "LlamaForCausalLM",
+            "dtype": "bfloat16",
+            "weights_sha256": "3f1c2a" + "0" * 58,
+            "dummy": False,
+        },
+        "workload": {
+            "ctx": 8192, "batch_size": 1, "max_new_tokens": 256, "temperature": 0.0,
+            "dataset": "mixed", "dataset_sha256": "9a7b" + "1" * 60, "num_prompts": 8,
+        },
+        "hardware": {
+            "gpu_name": "NVIDIA H200", "gpu_count": 1, "gpu_memory_gb": 139.8,
+            "driver": "570.124.06", "cuda": "12.8", "torch": "2.7.1", "triton": "3.3.1",
+            "cpu": "Intel(R) Xeon(R) Platinum 8480+", "cpu_count": 16,
+        },
+        "results": {
+            "tokens_per_second": 61.4, "vanilla_tokens_per_second": 28.9,
+            "streaming_tokens_per_second": 47.2, "speedup": 2.12,
+            "speedup_over_streaming": 1.3, "mean_accepted_length": 4.87,
+            "acceptance_by_position": [0.93, 0.86, 0.79, 0.72, 0.66, 0.6],
+            "selection_overhead": 0.041,
+        },
+        "steps": [
+            {"name": "options", "study": "vegas-options-8k", "trials": 24,
+             "chosen": {"collect": "two", "score": "logit", "granularity": "layer",
+                        "window": 0.125},
+             "notes": "kv_head granularity cost 6% throughput for no acceptance gain"},
+            {"name": "budget", "study": "vegas-budget-8k", "trials": 16,
+             "chosen": {"sparsity_ratio": 0.05, "min_tokens": 256}},
+            {"name": "gamma", "study": "vegas-gamma-8k", "trials": 3, "chosen": {"gamma": 6},
+             "predictions": [
+                 {"gamma": 4, "predicted_tokens_per_second": 57.0,
+                  "measured_tokens_per_second": 56.1},
+                 {"gamma": 6, "predicted_tokens_per_second": 60.8,
+                  "measured_tokens_per_second": 61.4},
+                 {"gamma": 8, "predicted_tokens_per_second": 59.5,
+                  "measured_tokens_per_second": None},
+             ]},
+        ],
+        "provenance": {
+            "tool_version": "0.1.0", "git_revision": "0ef4112",
+            "command": "vegas-tune run --model meta-llama/Llama-3.1-8B-Instruct --ctx 8192",
+            "started": "2025-06-01T12:00:00+00:00", "duration_seconds": 1843.5,
+            "engine_path": "vegas_core",
+        },
+        "exports": build_exports(MODEL_ID, tuned).model_dump(),
+    }
+
+
+def sample_profile(**results) -> Profile:
+    data = sample_profile_dict()
+    data["results"].update(results)
+    return profile_from_dict(data)
+
+
+def assert_one_line(error: pytest.ExceptionInfo, *fragments: str) -> None:
+    message = str(error.value)
+    assert "\n" not in message, message
+    for fragment in fragments:
+        assert fragment in message, message
+
+
+# --- reading and writing -------------------------------------------------------------
+
+def test_write_then_load_round_trips(tmp_path):
+    profile = sample_profile()
+    path = tmp_path / "nested" / "folder" / "h200-8k.yaml"  # parents do not exist yet
+    write_profile(profile, path)
+    loaded = load_profile(path)
+    assert loaded == profile
+    assert profile_to_dict(loaded) == profile_to_dict(profile)
+    # Types survive YAML: ints stay ints in the mixed-type mappings, None stays None.
+    assert loaded.steps[2].chosen["gamma"] == 6 and type(loaded.steps[2].chosen["gamma"]) is int
+    assert loaded.steps[2].predictions[2].measured_tokens_per_second is None
+
+
+def test_written_yaml_keeps_schema_order_and_block_style(tmp_path):
+    path = tmp_path / "p.yaml"
+    write_profile(sample_profile(), path)
+    text = path.read_text()
+    top_keys = [line.split(":")[0] for line in text.splitlines()
+                if line and not line.startswith((" ", "-"))]
+    assert top_keys == list(Profile.model_fields)
+    assert "{" not in text.split("exports:")[0]  # no flow-style mappings before the JSON
+
+
+@pytest.mark.parametrize("where, expected_path", [
+    ((), "surprise"),
+    (("tuned",), "tuned.surprise"),
+    (("steps", 2, "predictions", 0), "steps[2].predictions[0].surprise"),
+])
+def test_unknown_keys_are_rejected_with_their_path(tmp_path, where, expected_path):
+    data = sample_profile_dict()
+    target = data
+    for key in where:
+        target = target[key]
+    target["surprise"] = 1
+    path = tmp_path / "extra.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    with pytest.raises(VegasError) as error:
+        load_profile(path)
+    assert_one_line(error, str(path), f"invalid profile: {expected_path}: Extra inputs")
+
+
+def test_schema_violation_names_field_and_pydantic_message(tmp_path):
+    data = sample_profile_dict()
+    data["tuned"]["gamma"] = 0
+    path = tmp_path / "x.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(VegasError) as error:
+        load_profile(path)
+    assert str(error.value) == (f"{path}: invalid profile: tuned.gamma: "
+                                "Input should be greater than or equal to 1")
+
+
+def test_window_above_its_cap_is_rejected():
+    data = sample_profile_dict()
+    data["tuned"]["window"] = 0.8
+    with pytest.raises(VegasError) as error:
+        profile_from_dict(data, source="mem")
+    assert_one_line(error, "mem: invalid profile: tuned.window:")
+
+
+def test_other_schema_version_is_rejected():
+    data = sample_profile_dict()
+    data["schema_version"] = SCHEMA_VERSION + 1
+    data["future_section"] = {}  # a newer format's keys must not hide the real reason
+    with pytest.raises(VegasError) as error:
+        profile_from_dict(data)
+    assert_one_line(error, "<dict>: invalid profile: schema_version:",
+                    f"unsupported schema_version {SCHEMA_VERSION + 1}")
+    # Building the model directly is checked too.
+    with pytest.raises(ValueError):
+        Profile.model_validate({**sample_profile_dict(), "schema_version": 0})
+
+
+def test_missing_file_is_a_vegas_error(tmp_path):
+    path = tmp_path / "absent.yaml"
+    with pytest.raises(VegasError) as error:
+        load_profile(path)
+    assert_one_line(error, str(path), "no such profile file")
+
+
+@pytest.mark.parametrize("content, fragment", [
+    ("tuned: [gamma: 6\n  :::", "not valid YAML: line"),
+    ("- just\n- a list\n", "expected a mapping at the top level, got list"),
+    ("", "got nothing"),
+])
+def test_not_a_profile_yaml_is_a_vegas_error(tmp_path, content, fragment):
+    path = tmp_path / "bad.yaml"
+    path.write_text(content)
+    with pytest.raises(VegasError) as error:
+        load_profile(path)
+    assert_one_line(error, str(path), fragment)
+
+
+def test_binary_file_is_a_vegas_error(tmp_path):
+    path = tmp_path / "weights.yaml"
+    path.write_bytes(bytes(range(128, 256)))
+    with pytest.raises(VegasError) as error:
+        load_profile(path)
+    assert_one_line(error, str(path), "not UTF-8")
+
+
+def test_atomic_write_leaves_no_temporary_files(tmp_path):
+    path = tmp_path / "p.yaml"
+    write_profile(sample_profile(), path)
+    write_profile(sample_profile(tokens_per_second=70.0), path)  # overwrite in place
+    assert [p.name for p in tmp_path.iterdir()] == ["p.yaml"]
+    assert load_profile(path).results.tokens_per_second == 70.0
+
+
+def test_failed_write_keeps_the_old_file(tmp_path, monkeypatch):
+    path = tmp_path / "p.yaml"
+    write_profile(sample_profile(), path)
+    before = path.read_bytes()
+
+    def dump_half_then_fail(data, stream, **kwargs):
+        stream.write("schema_version: 1\ntuned:\n")  # a partial document reaches the disk
+        raise RuntimeError("serializer crashed")
+
+    monkeypatch.setattr(yaml, "dump", dump_half_then_fail)
+    with pytest.raises(RuntimeError, match="serializer crashed"):
+        write_profile(sample_profile(tokens_per_second=1.0), path)
+    monkeypatch.undo()
+
+    assert path.read_bytes() == before
+    assert load_profile(path).results.tokens_per_second == 61.4
+    assert [p.name for p in tmp_path.iterdir()] == ["p.yaml"]
+
+
+# --- diffs ---------------------------------------------------------------------------
+
+def test_identical_profiles_have_no_changes():
+    diff = diff_profiles(sample_profile(), sample_profile(), tolerance=0.05)
+    assert diff.changes == []
+    assert not diff.regressed
+    assert diff.format() == "no changes"
+
+
+def test_provenance_is_not_a_change():
+    newer = sample_profile_dict()
+    newer["provenance"]["started"] = "2025-07-01T09:30:00+00:00"
+    newer["provenance"]["duration_seconds"] = 99.0
+    assert diff_profiles(sample_profile(), profile_from_dict(newer), 0.05).changes == []
+
+
+def test_changes_list_dotted_paths_with_old_and_new():
+    newer = sample_profile_dict()
+    newer["steps"][0]["trials"] = 30
+    newer["hardware"]["driver"] = "575.51.03"
+    changes = diff_profiles(sample_profile(), profile_from_dict(newer), 0.05).changes
+    assert ("steps[0].trials", 24, 30) in changes
+    assert ("hardware.driver", "570.124.06", "575.51.03") in changes
+    assert len(changes) == 2
+
+
+@pytest.mark.parametrize("tolerance, regressed", [(0.05, True), (0.2, False)])
+def test_throughput_drop_against_tolerance(tolerance, regressed):
+    old = sample_profile()
+    new = sample_profile(tokens_per_second=old.results.tokens_per_second * 0.9)
+    diff = diff_profiles(old, new, tolerance=tolerance)
+    assert diff.regressed is regressed
+    assert ("results.tokens_per_second", 61.4, new.results.tokens_per_second) in diff.changes
+    if regressed:
+        assert any("results.tokens_per_second" in line for line in diff.regressions)
+        assert "REGRESSION" in diff.format()
+
+
+@pytest.mark.parametrize("field", ["speedup", "mean_accepted_length"])
+def test_speedup_and_acceptance_drops_regress(field):
+    old = sample_profile()
+    new = sample_profile(**{field: getattr(old.results, field) * 0.8})
+    diff = diff_profiles(old, new, tolerance=0.1)
+    assert diff.regressed
+    assert diff.regressions[0].startswith(f"results.{field}")
+
+
+def test_losing_the_recommendation_regresses():
+    data = sample_profile_dict()
+    data["recommended"] = False
+    not_recommended = profile_from_dict(data)
+    diff = diff_profiles(sample_profile(), not_recommended, tolerance=0.05)
+    assert diff.regressed
+    assert ("recommended", True, False) in diff.changes
+    # Gaining it is an improvement, not a regression.
+    assert not diff_profiles(not_recommended, sample_profile(), tolerance=0.05).regressed
+
+
+def test_improvement_is_not_a_regression():
+    old = sample_profile()
+    new = sample_profile(tokens_per_second=80.0, speedup=2.8)
+    assert not diff_profiles(old, new, tolerance=0.0).regressed
+
+
+# --- exports -------------------------------------------------------------------------
+
+def test_vllm_speculative_config_keys_and_values():
+    assert vllm_speculative_config(Tuned(**TUNED)) == {
+        "method": "sparse_attn",
+        "num_speculative_tokens": 6,
+        "sparse_attn_algorithm": "vegas",
+        "sparse_attn_ratio": 0.05,
+        "sparse_attn_min_tokens": 256,
+    }
+
+
+def test_vllm_serve_config_nests_the_speculative_config():
+    tuned = Tuned(**TUNED)
+    serve = vllm_serve_config(MODEL_ID, tuned)
+    assert serve == {"model": MODEL_ID, "speculative-config": vllm_speculative_config(tuned)}
+    assert isinstance(serve["speculative-config"], dict)
+
+
+def test_build_exports_carries_target_note_and_json():
+    exports = build_exports(MODEL_ID, Tuned(**TUNED))
+    assert exports.vllm.target == VLLM_TARGET
+    assert exports.vllm.note == VLLM_NOTE
+    assert json.loads(exports.vllm.speculative_config_json) == \
+        vllm_speculative_config(Tuned(**TUNED))
+
+
+def test_vllm_yaml_render_parses_back_to_the_serve_config():
+    profile = sample_profile()
+    text = render_export(profile, "vllm", "yaml")
+    assert text.startswith("# ")
+    assert "stock vLLM" in text.splitlines()[0]
+    assert yaml.safe_load(text) == vllm_serve_config(MODEL_ID, profile.tuned)
+
+
+def test_vllm_json_render_parses_to_the_speculative_config():
+    profile = sample_profile()
+    assert json.loads(render_export(profile, "vllm", "json")) == \
+        vllm_speculative_config(profile.tuned)
+
+
+@pytest.mark.parametrize("fmt, parse", [("yaml", yaml.safe_load), ("json", json.loads)])
+def test_vegas_export_is_the_engine_settings(fmt, parse):
+    profile = sample_profile()
+    settings = parse(render_export(profile, "vegas", fmt))
+    assert list(settings) == ["drafter", "gamma", "sparsity", "min_tokens", "collect",
+                              "score", "granularity", "window"]
+    assert settings == engine_settings(profile.tuned)
+    assert settings["sparsity"] == 0.05 and settings["window"] == 0.125
+
+
+@pytest.mark.parametrize("target, fmt, allowed", [
+    ("sglang", "yaml", "vllm, vegas"),
+    ("vllm", "toml", "yaml, json"),
+])
+def test_unknown_export_target_or_format(target, fmt, allowed):
+    with pytest.raises(VegasError) as error:
+        render_export(sample_profile(), target, fmt)
+    assert_one_line(error, allowed)
+
+
+def test_profile_yaml_embeds_the_vllm_json_readably(tmp_path):
+    path = tmp_path / "p.yaml"
+    write_profile(sample_profile(), path)
+    assert "speculative_config_json: |" in path.read_text()
+    assert load_profile(path).exports == sample_profile().exports
+
+
+def test_documented_example_is_a_valid_profile():
+    doc = (Path(__file__).parent.parent / "docs" / "profile-format.md").read_text()
+    example = re.search(r"## Example\n\n```yaml\n(.*?)```", doc, re.S).group(1)
+    profile = profile_from_dict(yaml.safe_load(example), source="docs/profile-format.md")
+    assert profile.exports == build_exports(profile.model.id, profile.tuned)

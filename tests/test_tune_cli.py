@@ -1,0 +1,217 @@
+"""vegas-tune end to end on the tiny dummy model: tune, resume after a kill, the
+subcommands, bad input, and the not-recommended and out-of-memory paths."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from vegas_tune import cli
+from vegas_tune.measure import Measurement
+
+# Small enough for seconds per trial on the CPU, big enough to exercise every step.
+FAST = ["--model", "dummy:tiny", "--ctx", "512", "--num-prompts", "2", "--max-new-tokens", "12",
+        "--probe-gamma", "4", "--gamma-max", "4", "--gamma-candidates", "2",
+        "--sparsity-grid", "0.05,0.2", "--refine-trials", "3", "--min-tokens", "8",
+        "--device", "cpu"]
+
+
+def run(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    out = capsys.readouterr()
+    return exit_info.value.code, out.out, out.err
+
+
+@pytest.fixture(scope="module")
+def tuned_profile(tmp_path_factory):
+    """One full tune, shared by the subcommand tests."""
+    out = tmp_path_factory.mktemp("tune") / "tiny.yaml"
+    proc = subprocess.run([sys.executable, "-m", "vegas_tune.cli", *FAST, "--out", str(out),
+                           "--json"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode in (0, 3), proc.stderr
+    return out, json.loads(proc.stdout), proc
+
+
+def test_tune_writes_a_valid_profile_and_its_files(tuned_profile, capsys):
+    out, summary, proc = tuned_profile
+    assert summary["profile"] == str(out)
+    assert (proc.returncode == 0) == summary["recommended"]
+    for key in ("trials", "acceptance_plot", "throughput_plot", "report"):
+        assert Path(summary["files"][key]).is_file()
+    assert Path(summary["files"]["acceptance_plot"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    code, stdout, _ = run(["validate", str(out)], capsys)
+    assert code == 0 and "valid" in stdout
+    profile = yaml.safe_load(out.read_text())
+    assert profile["model"]["dummy"] is True
+    assert [s["name"] for s in profile["steps"]] == ["sparsity", "gamma", "refine"]
+    assert profile["tuned"]["gamma"] in (1, 2, 3, 4)
+    gamma_step = profile["steps"][1]
+    assert len(gamma_step["predictions"]) == 4
+    assert sum(p["measured_tokens_per_second"] is not None for p in gamma_step["predictions"]) == 2
+    r = profile["results"]
+    assert r["speedup"] == pytest.approx(r["tokens_per_second"] / r["vanilla_tokens_per_second"],
+                                         rel=1e-3)
+    assert profile["exports"]["vllm"]["serve_config"]["speculative-config"]["method"] == "sparse_attn"
+
+
+def test_show_export_and_diff(tuned_profile, tmp_path, capsys):
+    out, _, _ = tuned_profile
+    code, stdout, _ = run(["show", str(out)], capsys)
+    assert code == 0 and "tuned: vegas gamma" in stdout
+    code, stdout, _ = run(["export", str(out), "--target", "vllm"], capsys)
+    serve = yaml.safe_load(stdout)
+    assert code == 0 and serve["speculative-config"]["sparse_attn_algorithm"] == "vegas"
+    code, stdout, _ = run(["export", str(out), "--target", "vegas", "--format", "json"], capsys)
+    assert code == 0 and json.loads(stdout)["drafter"] == "vegas"
+    code, stdout, _ = run(["diff", str(out), str(out)], capsys)
+    assert code == 0
+    worse = yaml.safe_load(out.read_text())
+    worse["results"]["tokens_per_second"] *= 0.5
+    worse_path = tmp_path / "worse.yaml"
+    worse_path.write_text(yaml.safe_dump(worse, sort_keys=False))
+    code, stdout, _ = run(["diff", str(out), str(worse_path), "--tolerance", "0.1"], capsys)
+    assert code == 1 and "tokens_per_second" in stdout
+
+
+def completed_trials(storage: str, study: str) -> list[tuple[int, dict, float]]:
+    import optuna
+    from optuna.storages.journal import JournalFileBackend, JournalStorage
+
+    try:
+        s = optuna.load_study(study_name=study, storage=JournalStorage(JournalFileBackend(storage)))
+    except KeyError:
+        return []
+    return [(t.number, t.params["sparsity"], t.value) for t in s.get_trials(
+        deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))]
+
+
+def test_killed_run_resumes_without_repeating_finished_trials(tmp_path):
+    out = tmp_path / "p.yaml"
+    storage = str(tmp_path / "study.journal")
+    grid = ["--sparsity-grid", "0.02,0.05,0.1,0.2,0.3"]
+    argv = [sys.executable, "-m", "vegas_tune.cli", *FAST, *grid, "--ctx", "2k",
+            "--num-prompts", "3", "--out", str(out), "--storage", storage,
+            "--study-name", "kill"]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    before = []
+    while time.time() < deadline and proc.poll() is None:
+        before = completed_trials(storage, "kill:sparsity")
+        if len(before) >= 2:
+            break
+        time.sleep(0.2)
+    assert proc.poll() is None, "the run finished before it could be killed; make it slower"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    before = completed_trials(storage, "kill:sparsity")
+    assert 2 <= len(before) < 5
+    fresh = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    assert fresh.returncode == 2 and "--resume" in fresh.stderr  # refuses to overwrite
+    resumed = subprocess.run([*argv, "--resume"], capture_output=True, text=True, timeout=600)
+    assert resumed.returncode in (0, 3), resumed.stderr
+    after = completed_trials(storage, "kill:sparsity")
+    assert set(before) <= set(after)  # finished trials kept as they were
+    values = sorted(sparsity for _, sparsity, _ in after)
+    assert values == [0.02, 0.05, 0.1, 0.2, 0.3]  # each grid point measured exactly once
+    assert out.is_file()
+
+
+def test_ctrl_c_exits_130_and_keeps_trials(tmp_path):
+    storage = str(tmp_path / "study.journal")
+    argv = [sys.executable, "-m", "vegas_tune.cli", *FAST, "--ctx", "2k", "--num-prompts", "3",
+            "--sparsity-grid", "0.02,0.05,0.1,0.2,0.3", "--out", str(tmp_path / "p.yaml"),
+            "--storage", storage, "--study-name", "int"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and len(completed_trials(storage, "int:sparsity")) < 1:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130
+    assert "--resume" in err and "Traceback" not in err
+    assert len(completed_trials(storage, "int:sparsity")) >= 1
+
+
+def fake_measurement(tokens_per_second: float, accepted: float = 2.0) -> Measurement:
+    return Measurement(tokens_per_second=tokens_per_second, decode_seconds=1.0,
+                       decode_tokens=int(tokens_per_second), mean_accepted_length=accepted,
+                       acceptance_by_position=[0.5, 0.3, 0.1, 0.1],
+                       selection_overhead=0.01, draft_step_seconds=0.01,
+                       verify_step_seconds=0.02, selection_step_seconds=0.001,
+                       decode_step_seconds=0.01)
+
+
+def test_nothing_beats_vanilla_exits_3_with_recommended_false(tmp_path, monkeypatch, capsys):
+    def measure(self, spec, report=None):
+        return fake_measurement(50.0 if spec is not None else 100.0)
+
+    monkeypatch.setattr("vegas_tune.measure.Measurer.measure", measure)
+    out = tmp_path / "p.yaml"
+    code, _, err = run([*FAST, "--out", str(out)], capsys)
+    assert code == 3
+    assert yaml.safe_load(out.read_text())["recommended"] is False
+    assert "NOT recommended" in err
+
+
+def test_out_of_memory_trial_is_recorded_and_tuning_goes_on(tmp_path, monkeypatch, capsys):
+    def measure(self, spec, report=None):
+        if spec is not None and spec.sparsity == 0.2 and spec.gamma == 4:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB")
+        return fake_measurement(120.0 if spec is not None else 100.0)
+
+    monkeypatch.setattr("vegas_tune.measure.Measurer.measure", measure)
+    out = tmp_path / "p.yaml"
+    code, _, _ = run([*FAST, "--out", str(out), "--refine-trials", "2"], capsys)
+    assert code == 0
+    trials = (tmp_path / "p.trials.csv").read_text()
+    assert "out of memory" in trials and "FAIL" in trials
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--ctx", "lots"], "--ctx 'lots'"),
+    (["--model", "dummy:nope"], "unknown dummy preset"),
+    (["--ctx", "20k"], "maximum of 16384 positions"),
+    (["--dataset", "missing.jsonl"], "not found"),
+    (["--batch-size", "0"], "--batch-size must be >= 1"),
+    (["--sparsity-grid", "0.1,2"], "--sparsity-grid"),
+])
+def test_bad_tune_input(argv, fragment, tmp_path, capsys):
+    code, _, err = run([*FAST, "--out", str(tmp_path / "p.yaml"), *argv], capsys)
+    assert code == 2 and "Traceback" not in err
+    assert fragment in err
+
+
+def test_bad_profile_and_export_target(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("schema_version: 1\nrecommended: true\nsurprise: 1\n")
+    code, _, err = run(["validate", str(bad)], capsys)
+    assert code == 2 and "bad.yaml" in err and err.count("\n") == 1
+    code, _, err = run(["validate", str(tmp_path / "none.yaml")], capsys)
+    assert code == 2
+
+
+def test_settings_precedence(tmp_path, monkeypatch):
+    config = tmp_path / "c.yaml"
+    config.write_text("ctx: 8k\nnum-prompts: 3\nseed: 5\n")
+    monkeypatch.setenv("VEGAS_TUNE_NUM_PROMPTS", "7")
+    monkeypatch.setenv("VEGAS_TUNE_SEED", "6")
+    s = cli.resolve_settings({"seed": 9}, config)
+    assert s["ctx"] == 8192  # config over default
+    assert s["num_prompts"] == 7  # env over config
+    assert s["seed"] == 9  # flag over env
+    assert s["model"] == "smollm2-135m"  # default
+    config.write_text("ctxx: 1\n")
+    from vegas_core.errors import VegasError
+
+    with pytest.raises(VegasError, match="unknown option 'ctxx'"):
+        cli.resolve_settings({}, config)

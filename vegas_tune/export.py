@@ -1,0 +1,119 @@
+"""Deployment exports of a tuned profile: vLLM serve settings and this engine's own.
+
+vLLM: the Vegas authors' vLLM fork adds a ``sparse_attn`` speculative method. Its
+speculative config carries gamma, the sparsity ratio and the minimum budget; the fork has
+no setting for ``collect``, ``score``, ``granularity`` or ``window`` (it ranks tokens by
+softmax weights), so those stay with this engine. Stock vLLM rejects the fork's keys.
+
+vegas: the keyword arguments of ``vegas_core.SpecConfig`` for the same settings.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import yaml
+
+from vegas_core.errors import VegasError
+from vegas_tune.profile import Exports, Profile, Tuned, VllmExport
+
+VLLM_TARGET = "vllm-sparse-attn-fork"
+VLLM_NOTE = (
+    "These keys are for the Vegas authors' vLLM fork (speculative method 'sparse_attn'); "
+    "stock vLLM (e.g. 0.33) rejects unknown speculative keys (its config forbids extra "
+    "fields). Only gamma, sparsity ratio and min_tokens carry over: the fork has no setting "
+    "for collect, score, granularity or window, and ranks tokens by softmax weights."
+)
+
+VLLM_METHOD = "sparse_attn"
+VLLM_ALGORITHM = "vegas"
+# The key `vllm serve --config file.yaml` reads the speculative settings from.
+VLLM_SPECULATIVE_KEY = "speculative-config"
+# Indentation of the JSON that `--speculative-config` takes: readable when pasted.
+JSON_INDENT = 2
+
+EXPORT_TARGETS = ("vllm", "vegas")
+EXPORT_FORMATS = ("yaml", "json")
+
+
+def vllm_speculative_config(tuned: Tuned) -> dict[str, Any]:
+    """The fork's speculative config for ``tuned`` (what ``--speculative-config`` takes)."""
+    return {
+        "method": VLLM_METHOD,
+        "num_speculative_tokens": tuned.gamma,
+        "sparse_attn_algorithm": VLLM_ALGORITHM,
+        "sparse_attn_ratio": tuned.sparsity_ratio,
+        "sparse_attn_min_tokens": tuned.min_tokens,
+    }
+
+
+def vllm_serve_config(model_id: str, tuned: Tuned) -> dict[str, Any]:
+    """The mapping ``vllm serve --config file.yaml`` takes: the model and its speculative
+    config, nested under ``speculative-config``."""
+    return {"model": model_id, VLLM_SPECULATIVE_KEY: vllm_speculative_config(tuned)}
+
+
+def engine_settings(tuned: Tuned) -> dict[str, Any]:
+    """This engine's ``SpecConfig`` keyword arguments for ``tuned``."""
+    return {
+        "drafter": tuned.drafter,
+        "gamma": tuned.gamma,
+        "sparsity": tuned.sparsity_ratio,
+        "min_tokens": tuned.min_tokens,
+        "collect": tuned.collect,
+        "score": tuned.score,
+        "granularity": tuned.granularity,
+        "window": tuned.window,
+    }
+
+
+def build_exports(model_id: str, tuned: Tuned) -> Exports:
+    """The ``exports`` section of a profile for ``tuned`` served as ``model_id``."""
+    speculative = vllm_speculative_config(tuned)
+    return Exports(
+        vllm=VllmExport(
+            target=VLLM_TARGET,
+            note=VLLM_NOTE,
+            serve_config=vllm_serve_config(model_id, tuned),
+            speculative_config_json=json.dumps(speculative, indent=JSON_INDENT),
+        ),
+        vegas=engine_settings(tuned),
+    )
+
+
+def _yaml(data: Any) -> str:
+    return yaml.safe_dump(data, sort_keys=False, default_flow_style=False, allow_unicode=True)
+
+
+def _json(data: Any) -> str:
+    return json.dumps(data, indent=JSON_INDENT) + "\n"
+
+
+def _comment(text: str) -> str:
+    """``text`` as YAML comment lines, so the rendered file still parses to the config."""
+    return "".join(f"# {line}\n" for line in text.splitlines())
+
+
+def render_export(profile: Profile, target: str, fmt: str) -> str:
+    """Render one of the profile's stored exports as text.
+
+    target ``vllm``: fmt ``yaml`` gives the serve config for ``vllm serve --config``,
+    preceded by the note as a ``# `` comment; fmt ``json`` gives the speculative config
+    JSON that ``--speculative-config`` takes on the command line.
+    target ``vegas``: this engine's settings as YAML or JSON.
+    An unknown target or format raises ``VegasError`` naming the allowed values.
+    """
+    if target not in EXPORT_TARGETS:
+        raise VegasError(f"unknown export target '{target}'; choose one of: "
+                         f"{', '.join(EXPORT_TARGETS)}")
+    if fmt not in EXPORT_FORMATS:
+        raise VegasError(f"unknown export format '{fmt}'; choose one of: "
+                         f"{', '.join(EXPORT_FORMATS)}")
+    if target == "vllm":
+        vllm = profile.exports.vllm
+        if fmt == "yaml":
+            return _comment(vllm.note) + _yaml(vllm.serve_config)
+        return vllm.speculative_config_json.rstrip("\n") + "\n"
+    settings = profile.exports.vegas
+    return _yaml(settings) if fmt == "yaml" else _json(settings)

@@ -1,0 +1,178 @@
+"""From settings to files: load, build the workload, tune, write profile and report."""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import logging
+import re
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from vegas_core import __version__ as engine_version
+from vegas_core import load_model
+from vegas_core.errors import VegasError
+from vegas_core.loading.embedded import HUB_IDS
+from vegas_tune.datasets import dataset_fingerprint, load_prompts
+from vegas_tune.export import build_exports
+from vegas_tune.hardware import fingerprint, gpu_slug
+from vegas_tune.measure import Measurer, Workload
+from vegas_tune.profile import Tuned, profile_from_dict, profile_to_dict, write_profile
+from vegas_tune.report import (plot_acceptance_vs_sparsity, plot_throughput_vs_gamma,
+                               write_report, write_trials_table)
+from vegas_tune.tuner import TuneOptions, Tuner, ctx_label
+
+log = logging.getLogger("vegas_tune")
+
+ENGINE_PATH = "pytorch-reference"  # the Triton kernels are not built yet
+EXIT_NOT_RECOMMENDED = 3
+HASH_CHUNK = 1 << 24
+
+
+@dataclass
+class TuneSettings:
+    model: str
+    ctx: int
+    dataset: str
+    out: Path | None
+    device: str
+    dtype: str
+    storage: str | None
+    study_name: str | None
+    resume: bool
+    seed: int
+    batch_size: int
+    max_new_tokens: int
+    temperature: float
+    num_prompts: int
+    options: TuneOptions
+    command: str
+
+
+def model_slug(spec: str) -> str:
+    """'dummy:qwen3-8b' -> 'dummy-qwen3-8b'; '/m/Qwen3-8B' -> 'qwen3-8b'."""
+    name = spec.rstrip("/").split("/")[-1]
+    name = re.sub(r"\.gguf$", "", name, flags=re.IGNORECASE)
+    return re.sub(r"[^a-z0-9.]+", "-", name.lower()).strip("-") or "model"
+
+
+def weights_sha256(path: Path | None) -> str | None:
+    if path is None:
+        return None
+    files = [path] if path.is_file() else sorted(path.glob("*.safetensors")) or sorted(path.glob("*.gguf"))
+    digest = hashlib.sha256()
+    for file in files:
+        with open(file, "rb") as f:
+            while chunk := f.read(HASH_CHUNK):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def git_revision() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                             cwd=Path(__file__).resolve().parent, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def default_out(settings: TuneSettings, hardware: dict) -> Path:
+    return Path("profiles") / model_slug(settings.model) / f"{gpu_slug(hardware)}-{ctx_label(settings.ctx)}.yaml"
+
+
+def run_tune(settings: TuneSettings, progress=None) -> tuple[dict, int]:
+    """Tune, write every file, and return (summary, exit code)."""
+    started = datetime.datetime.now(datetime.timezone.utc)
+    t0 = time.monotonic()
+    log.info("loading %s", settings.model)
+    model = load_model(settings.model, device=settings.device, dtype=settings.dtype)
+    if model.tokenizer is None:
+        raise VegasError(f"{settings.model} has no tokenizer; the tuner needs one to build prompts")
+    limit = model.config.max_position_embeddings
+    if settings.ctx + settings.max_new_tokens > limit:
+        raise VegasError(f"--ctx {settings.ctx} + --max-new-tokens {settings.max_new_tokens} "
+                         f"exceeds {model.spec}'s maximum of {limit} positions; lower --ctx")
+    hardware = fingerprint(str(model.device))
+    out = settings.out or default_out(settings, hardware)
+    stem = out.with_suffix("")
+    storage = settings.storage or str(stem) + ".optuna.journal"
+    study_name = settings.study_name or f"{model_slug(settings.model)}-{gpu_slug(hardware)}-{ctx_label(settings.ctx)}"
+    prompts = load_prompts(model.tokenizer, settings.dataset, settings.ctx,
+                           settings.num_prompts, settings.seed)
+    workload = Workload(prompts, settings.batch_size, settings.max_new_tokens,
+                        settings.temperature, settings.seed)
+    log.info("model %s on %s; %d prompts of %d tokens from %s; study %s in %s", model.label,
+             hardware.get("gpu_name") or "CPU", len(prompts), settings.ctx, settings.dataset,
+             study_name, storage)
+    tuner = Tuner(Measurer(model, workload), storage, study_name, settings.options,
+                  resume=settings.resume, progress=progress)
+    result = tuner.run()
+
+    chosen, vanilla, streaming = (result.baselines[k] for k in ("chosen", "vanilla", "streaming"))
+    speedup = chosen["tokens_per_second"] / vanilla["tokens_per_second"]
+    recommended = speedup > 1.0
+    spec = result.spec
+    tuned = dict(drafter=spec.drafter, gamma=spec.gamma, sparsity_ratio=spec.sparsity,
+                 min_tokens=spec.min_tokens, collect=spec.collect, score=spec.score,
+                 granularity=spec.granularity, window=spec.window)
+    profile = {
+        "schema_version": 1,
+        "recommended": recommended,
+        "tuned": tuned,
+        "model": {"id": settings.model, "path": str(model.path) if model.path else None,
+                  "architecture": model.config.family, "dtype": str(model.dtype).removeprefix("torch."),
+                  "weights_sha256": weights_sha256(model.path), "dummy": model.is_dummy},
+        "workload": {"ctx": settings.ctx, "batch_size": settings.batch_size,
+                     "max_new_tokens": settings.max_new_tokens,
+                     "temperature": settings.temperature, "dataset": settings.dataset,
+                     "dataset_sha256": dataset_fingerprint(prompts),
+                     "num_prompts": len(prompts)},
+        "hardware": hardware,
+        "results": {
+            "tokens_per_second": round(chosen["tokens_per_second"], 3),
+            "vanilla_tokens_per_second": round(vanilla["tokens_per_second"], 3),
+            "streaming_tokens_per_second": round(streaming["tokens_per_second"], 3),
+            "speedup": round(speedup, 4),
+            "speedup_over_streaming": round(chosen["tokens_per_second"]
+                                            / streaming["tokens_per_second"], 4),
+            "mean_accepted_length": round(chosen["mean_accepted_length"], 4),
+            "acceptance_by_position": [round(a, 4) for a in chosen["acceptance_by_position"]],
+            "selection_overhead": round(chosen["selection_overhead"], 5),
+        },
+        "steps": [{"name": s.name, "study": s.study, "trials": s.trials, "chosen": s.chosen,
+                   "notes": s.notes, "predictions": s.predictions} for s in result.steps],
+        "provenance": {"tool_version": engine_version, "git_revision": git_revision(),
+                       "command": settings.command, "started": started.isoformat(timespec="seconds"),
+                       "duration_seconds": round(time.monotonic() - t0, 1),
+                       "engine_path": ENGINE_PATH},
+        "exports": build_exports(HUB_IDS.get(settings.model, settings.model),
+                                 Tuned(**tuned)).model_dump(),
+    }
+    validated = profile_from_dict(profile, source=str(out))
+    write_profile(validated, out)
+    paths = write_artifacts(profile_to_dict(validated), result, stem)
+    paths["profile"] = str(out)
+    paths["storage"] = storage
+    summary = {"profile": str(out), "recommended": recommended, "tuned": tuned,
+               "results": profile["results"], "files": paths}
+    return summary, 0 if recommended else EXIT_NOT_RECOMMENDED
+
+
+def write_artifacts(profile: dict, result, stem: Path) -> dict[str, str]:
+    """The trials table, the two plots and the Markdown report beside the profile."""
+    trials_path = write_trials_table(result.trials, stem.with_suffix(".trials.csv"))
+    acceptance = stem.with_suffix(".acceptance.png")
+    chosen_sparsity = next(s.chosen["sparsity"] for s in result.steps if s.name == "sparsity")
+    plot_acceptance_vs_sparsity(result.trials, acceptance, chosen=chosen_sparsity)
+    throughput = stem.with_suffix(".throughput.png")
+    predictions = next(s.predictions for s in result.steps if s.name == "gamma")
+    chosen_gamma = next(s.chosen["gamma"] for s in result.steps if s.name == "gamma")
+    plot_throughput_vs_gamma(predictions, throughput, chosen=chosen_gamma)
+    report = write_report(profile, result.trials, stem.with_suffix(".report.md"),
+                          {"acceptance vs sparsity": acceptance.name,
+                           "throughput vs gamma": throughput.name})
+    return {"trials": str(trials_path), "acceptance_plot": str(acceptance),
+            "throughput_plot": str(throughput), "report": str(report)}
