@@ -15,6 +15,7 @@ The PyTorch reference below is the ground truth; faster kernels plug in behind
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -24,6 +25,11 @@ import torch
 from vegas_core.cache import KVCache
 
 MODES = ("full", "verify", "draft")
+# Kernels serve decode and verify windows; longer blocks (prefill chunks) use the reference.
+MAX_KERNEL_ROWS = 16
+# VEGAS_ATTENTION: "auto" (Triton kernels on CUDA when Triton imports), "reference", or
+# "triton" (also on the CPU through TRITON_INTERPRET=1, for tests).
+ATTENTION_ENV = "VEGAS_ATTENTION"
 
 
 class DraftSelection(Protocol):
@@ -80,6 +86,14 @@ class SparseSelection:
     indices: torch.Tensor
     counts: torch.Tensor
     tail_start: torch.Tensor
+    _tail_floor: int | None = field(default=None, repr=False)
+
+    def max_keys(self, kv_len: int) -> int:
+        """A bound on any sequence's key count (selected + tail), for the kernel grid;
+        read from the device once per selection."""
+        if self._tail_floor is None:
+            self._tail_floor = int(self.tail_start.min())
+        return self.indices.shape[-1] + kv_len - self._tail_floor
 
     def prefix_mask(self, layer: int, kv_len: int, q: torch.Tensor | None = None,
                     k: torch.Tensor | None = None, positions: torch.Tensor | None = None
@@ -180,9 +194,48 @@ def reference_attention(
     return out.permute(0, 3, 1, 2, 4).reshape(b, t, h, d)
 
 
+def _kernels_enabled(q: torch.Tensor) -> bool:
+    choice = os.environ.get(ATTENTION_ENV, "auto")
+    if choice == "reference":
+        return False
+    if choice == "auto" and not q.is_cuda:
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _kernel_attention(q, k, v, layer: int, meta: AttentionMeta) -> torch.Tensor | None:
+    """The Triton path where it covers the request, else None."""
+    if meta.sliding_window is not None or not _kernels_enabled(q):
+        return None
+    from kernels.verify_attention import supported
+
+    if not supported(q):
+        return None
+    if meta.mode in ("full", "verify") and meta.collector is None and q.shape[1] <= MAX_KERNEL_ROWS:
+        from kernels.verify_attention import verify_attention
+
+        return verify_attention(q, k, v, meta.positions, meta.kv_len)[0]
+    if meta.mode == "draft" and isinstance(meta.sparse, SparseSelection) and q.shape[1] == 1:
+        from kernels.sparse_attention import sparse_attention
+
+        sel = meta.sparse
+        return sparse_attention(q, k, v, meta.positions, sel.indices[layer], sel.counts[layer],
+                                sel.tail_start, sel.max_keys(meta.kv_len))
+    return None
+
+
 def attend(q: torch.Tensor, cache: KVCache, layer: int, meta: AttentionMeta) -> torch.Tensor:
-    """Attention of q ([B, T, H, D]) over ``layer``'s cache as ``meta`` allows."""
+    """Attention of q ([B, T, H, D]) over ``layer``'s cache as ``meta`` allows: the
+    Triton kernels for decode rows and index-list drafts when enabled, else the
+    reference (score collection and query-dependent selections stay on it for now)."""
     k, v = cache.layer(layer, meta.kv_len)
+    out = _kernel_attention(q, k, v, layer, meta)
+    if out is not None:
+        return out
     collect = None
     if meta.collector is not None:
         def collect(scores, probs, mask):
