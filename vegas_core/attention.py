@@ -194,6 +194,14 @@ def reference_attention(
     return out.permute(0, 3, 1, 2, 4).reshape(b, t, h, d)
 
 
+def attention_backend(device: torch.device | str) -> str:
+    """What serves attention on ``device``: for profiles' provenance and ``doctor``."""
+    probe = torch.empty(0, device=device)
+    if _kernels_enabled(probe):
+        return "triton (decode, verify without scores, index-list drafts) + pytorch-reference"
+    return "pytorch-reference"
+
+
 def _kernels_enabled(q: torch.Tensor) -> bool:
     choice = os.environ.get(ATTENTION_ENV, "auto")
     if choice == "reference":

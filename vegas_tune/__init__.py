@@ -1,4 +1,5 @@
 """vegas-tune: the three-step auto-tuner that turns Vegas into deployable profiles.
 
-The tuner itself is not built yet; the engine it drives is ``vegas_core``.
+Entry points: the ``vegas-tune`` CLI (``vegas_tune.cli``), ``vegas_tune.profile`` (the
+profile schema: load, validate, diff, write) and ``vegas_tune.export``.
 """

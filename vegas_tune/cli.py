@@ -343,6 +343,7 @@ def doctor(debug: bool = typer.Option(False, help="Show tracebacks.")) -> int:
     """Check the GPU, torch, triton, kernels, memory and the embedded model."""
     import torch
 
+    from vegas_core.attention import attention_backend
     from vegas_core.loading.embedded import DEFAULT_MODEL, embedded_path
     from vegas_tune.hardware import fingerprint
 
@@ -352,7 +353,7 @@ def doctor(debug: bool = typer.Option(False, help="Show tracebacks.")) -> int:
             ("GPU", f"{fp['gpu_count']} x {fp['gpu_name']} ({fp['gpu_memory_gb']} GB), driver "
                     f"{fp['driver']}" if fp["gpu_count"] else "none: tuning runs on the CPU (slow)"),
             ("triton", fp["triton"] or "not installed (needed only for GPU kernels)"),
-            ("kernels", "not built yet: the PyTorch reference path is used"),
+            ("attention", attention_backend("cuda" if torch.cuda.is_available() else "cpu")),
             ("CPU", f"{fp['cpu']}, {fp['cpu_count']} cores")]
     if torch.cuda.is_available():
         free, total = torch.cuda.mem_get_info()

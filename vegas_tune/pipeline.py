@@ -13,6 +13,7 @@ from pathlib import Path
 
 from vegas_core import __version__ as engine_version
 from vegas_core import load_model
+from vegas_core.attention import attention_backend
 from vegas_core.errors import VegasError
 from vegas_core.loading.embedded import HUB_IDS
 from vegas_tune.datasets import dataset_fingerprint, load_prompts
@@ -26,7 +27,6 @@ from vegas_tune.tuner import TuneOptions, Tuner, ctx_label
 
 log = logging.getLogger("vegas_tune")
 
-ENGINE_PATH = "pytorch-reference"  # the Triton kernels are not built yet
 EXIT_NOT_RECOMMENDED = 3
 HASH_CHUNK = 1 << 24
 
@@ -147,7 +147,7 @@ def run_tune(settings: TuneSettings, progress=None) -> tuple[dict, int]:
         "provenance": {"tool_version": engine_version, "git_revision": git_revision(),
                        "command": settings.command, "started": started.isoformat(timespec="seconds"),
                        "duration_seconds": round(time.monotonic() - t0, 1),
-                       "engine_path": ENGINE_PATH},
+                       "engine_path": attention_backend(model.device)},
         "exports": build_exports(HUB_IDS.get(settings.model, settings.model),
                                  Tuned(**tuned)).model_dump(),
     }
