@@ -103,3 +103,39 @@ def test_engine_on_the_kernel_path_matches_the_reference_path(drafter, monkeypat
     assert generate(model, prompts, max_new_tokens=10, ignore_eos=True).tokens == ref_vanilla
     assert generate(model, prompts, max_new_tokens=10, ignore_eos=True, spec=spec).tokens == ref_spec
     assert ref_spec == ref_vanilla
+
+
+@pytest.mark.parametrize("collect, granularity", [("two", "layer"), ("all", "kv_head")])
+def test_fused_verify_scores_select_what_the_reference_selects(collect, granularity,
+                                                                monkeypatch):
+    """With the kernels on, a vegas verify hands over row-summed logit scores (no per-row
+    tensor), and the selection they give equals the reference path's."""
+    from vegas_core import SpecConfig
+    from vegas_core.sampling import SamplingParams
+    from vegas_core.speculative import SpeculativeSession
+    from tests.test_engine import tiny_model
+
+    model = tiny_model(head_dim=16)
+    if DEVICE == "cuda":
+        model.net.to(DEVICE)
+    spec = SpecConfig(gamma=3, sparsity=0.1, min_tokens=4, collect=collect,
+                      granularity=granularity)
+    prompts = [list(range(1, 80)), list(range(3, 50))]
+    sessions = {}
+    for backend in ("reference", "triton"):
+        monkeypatch.setenv("VEGAS_ATTENTION", backend)
+        session = SpeculativeSession(model, prompts, spec, SamplingParams(), 8, prefill_chunk=32)
+        session.step(torch.tensor([True, True], device=DEVICE))
+        sessions[backend] = session
+    layers = model.config.num_layers
+    assert len(sessions["triton"].last_collector.reduced) == layers  # the kernel summed them
+    assert not sessions["triton"].last_collector.logit  # no per-row tensor was kept
+    assert len(sessions["reference"].last_collector.logit) == layers
+    ref, got = sessions["reference"].selection, sessions["triton"].selection
+    assert torch.equal(ref.counts, got.counts)
+    for layer in range(ref.indices.shape[0]):
+        for b in range(2):
+            for g in range(ref.indices.shape[2]):
+                n = int(ref.counts[layer, b])
+                assert set(ref.indices[layer, b, g, :n].tolist()) == set(
+                    got.indices[layer, b, g, :n].tolist())

@@ -56,11 +56,20 @@ class ScoreCollector:
     q.k/sqrt(d) (masked slots as 0); ``weight`` sums softmax probabilities.
     """
 
-    def __init__(self, modes: set[str], layers: set[int] | None = None) -> None:
+    def __init__(self, modes: set[str], layers: set[int] | None = None,
+                 row_weights: torch.Tensor | None = None) -> None:
         self.modes = modes
         self.layers = layers
         self.logit: dict[int, torch.Tensor] = {}
         self.weight: dict[int, torch.Tensor] = {}
+        # When the rows that count are known before the pass ([B, T] weights), a kernel
+        # may hand over the row-summed logit scores instead: reduced[layer] [B, H_kv, S].
+        self.row_weights = row_weights
+        self.reduced: dict[int, torch.Tensor] = {}
+
+    @property
+    def fusable(self) -> bool:
+        return self.modes == {"logit"} and self.row_weights is not None and self.layers is None
 
     def add(self, layer: int, scores: torch.Tensor, probs: torch.Tensor,
             mask: torch.Tensor) -> None:
@@ -223,10 +232,16 @@ def _kernel_attention(q, k, v, layer: int, meta: AttentionMeta) -> torch.Tensor 
 
     if not supported(q):
         return None
-    if meta.mode in ("full", "verify") and meta.collector is None and q.shape[1] <= MAX_KERNEL_ROWS:
+    collector = meta.collector
+    if meta.mode in ("full", "verify") and q.shape[1] <= MAX_KERNEL_ROWS and (
+            collector is None or collector.fusable):
         from kernels.verify_attention import verify_attention
 
-        return verify_attention(q, k, v, meta.positions, meta.kv_len)[0]
+        weights = collector.row_weights if collector is not None else None
+        out, _, scores = verify_attention(q, k, v, meta.positions, meta.kv_len, weights)
+        if collector is not None:
+            collector.reduced[layer] = scores
+        return out
     if meta.mode == "draft" and isinstance(meta.sparse, SparseSelection) and q.shape[1] == 1:
         from kernels.sparse_attention import sparse_attention
 
@@ -238,8 +253,9 @@ def _kernel_attention(q, k, v, layer: int, meta: AttentionMeta) -> torch.Tensor 
 
 def attend(q: torch.Tensor, cache: KVCache, layer: int, meta: AttentionMeta) -> torch.Tensor:
     """Attention of q ([B, T, H, D]) over ``layer``'s cache as ``meta`` allows: the
-    Triton kernels for decode rows and index-list drafts when enabled, else the
-    reference (score collection and query-dependent selections stay on it for now)."""
+    Triton kernels for decode and verify rows (with fused logit scores when the rows are
+    known in advance) and index-list drafts when enabled, else the reference (weight
+    scores, the ``last`` row and query-dependent selections stay on it for now)."""
     k, v = cache.layer(layer, meta.kv_len)
     out = _kernel_attention(q, k, v, layer, meta)
     if out is not None:

@@ -146,10 +146,24 @@ class VegasDrafter(Drafter):
         super().__init__(spec, num_layers)
         self.collect_modes = {spec.score}
 
+    def fused_row_weights(self, window_rows: int, batch: int, device) -> torch.Tensor | None:
+        """[B, T] weights of the rows that score, when known before the verify pass (so a
+        kernel can sum them on the fly): logit scores of the first/last or all rows."""
+        if self.spec.score != "logit" or self.spec.collect == "last":
+            return None
+        return collected_rows(self.spec.collect, window_rows,
+                              torch.zeros(batch, dtype=torch.long, device=device))
+
     def select(self, inputs: SelectionInputs) -> SparseSelection:
-        rows = collected_rows(self.spec.collect, inputs.window_rows, inputs.last_row)
-        scores = vegas_scores(inputs.collector, rows, self.spec.score, self.spec.granularity,
-                              self.num_layers)
+        c = inputs.collector
+        if len(c.reduced) == self.num_layers:
+            scores = torch.stack([c.reduced[i] for i in range(self.num_layers)])  # [L, B, H_kv, S]
+            if self.spec.granularity == "layer":
+                scores = scores.sum(dim=2, keepdim=True)
+        else:
+            rows = collected_rows(self.spec.collect, inputs.window_rows, inputs.last_row)
+            scores = vegas_scores(c, rows, self.spec.score, self.spec.granularity,
+                                  self.num_layers)
         if self.spec.window > 0:
             scores = _reserve_window(scores, inputs.prefix_len, inputs.budget, self.spec.window)
         indices, counts = _topk_selection(scores, inputs.prefix_len, inputs.budget)

@@ -73,12 +73,17 @@ class SpeculativeSession:
         self.timers = {"draft": 0.0, "verify": 0.0, "selection": 0.0}
         self._prefill(prompt_ids, prefill_chunk, progress, prefix_cache)
 
-    def _collector(self) -> ScoreCollector | None:
+    def _collector(self, window_rows: int) -> ScoreCollector | None:
         modes = self.drafter.collect_modes
-        return ScoreCollector(modes, self.drafter.collect_layers) if modes else None
+        if not modes:
+            return None
+        fused = getattr(self.drafter, "fused_row_weights", None)
+        weights = fused(window_rows, self.batch, self.dev) if fused else None
+        return ScoreCollector(modes, self.drafter.collect_layers, weights)
 
     def _select(self, collector, window_rows: int, last_row: torch.Tensor,
                 prefix_len: torch.Tensor) -> None:
+        self.last_collector = collector
         _sync(self.dev)
         t = time.perf_counter()
         budget = draft_budget(prefix_len, self.spec.sparsity, self.spec.min_tokens)
@@ -101,7 +106,7 @@ class SpeculativeSession:
         start = lengths - w
         positions = start[:, None] + torch.arange(w, device=self.dev)  # [B, W]
         tokens = torch.tensor([p[len(p) - w:] for p in prompt_ids], device=self.dev)
-        collector = self._collector()
+        collector = self._collector(w)
         hidden = self.net(tokens, positions, self.cache,
                           AttentionMeta.verify(positions, int(lengths.max()), self.window,
                                                collector))
@@ -145,7 +150,7 @@ class SpeculativeSession:
 
         tokens = torch.cat([self.pending[:, None], drafts_t], dim=1)  # [B, gamma + 1]
         positions = n[:, None] + torch.arange(gamma + 1, device=self.dev)
-        collector = self._collector()
+        collector = self._collector(gamma + 1)
         hidden = net(tokens, positions, self.cache,
                      AttentionMeta.verify(positions, longest + gamma + 1, self.window, collector))
         logits = net.logits(hidden)  # [B, gamma + 1, V]
