@@ -15,11 +15,14 @@ import math
 
 import torch
 
-from kernels.verify_attention import BLOCK_N, MIN_BLOCK_M, merge_splits, split_size_for
+from kernels.verify_attention import (BLOCK_N, MIN_BLOCK_M, merge_splits, split_buffers,
+                                     split_size_for)
 
 try:
     import triton
     import triton.language as tl
+
+    from kernels.verify_attention import _scaled_scores, _softmax_step, _store_partials
 except ImportError:
     triton = None
 
@@ -80,28 +83,13 @@ if triton is not None:
             slot = tl.where(j < count, listed, tail0 + (j - count))
             k = tl.load(K + b * sk_b + kvh * sk_h + slot[:, None] * sk_s + dims[None, :],
                         mask=in_range[:, None], other=0.0)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale
-            else:
-                s = tl.dot(q, tl.trans(k)) * sm_scale
+            s = _scaled_scores(q, k, sm_scale, IEEE)
             s = tl.where(in_range[None, :] & row_ok[:, None], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(s - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
             vt = tl.load(V + b * sv_b + kvh * sv_h + slot[:, None] * sv_s + dims[None, :],
                          mask=in_range[:, None], other=0.0)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
-            m_i = m_new
-        base = b * so_b + kvh * so_h + split * so_sp
-        tl.store(OUT + base + rows[:, None] * so_m + dims[None, :], acc)
-        stat = b * sm_b + kvh * sm_h + split * sm_sp + rows
-        tl.store(MAX + stat, m_i)
-        tl.store(SUM + stat, l_i)
+            m_i, l_i, acc = _softmax_step(s, vt, m_i, l_i, acc, IEEE)
+        _store_partials(OUT, MAX, SUM, b * so_b + kvh * so_h + split * so_sp,
+                        b * sm_b + kvh * sm_h + split * sm_sp, so_m, acc, m_i, l_i, BLOCK_M, D)
 
 
 def sparse_attention(q, k, v, positions, indices, counts, tail_start, max_keys: int,
@@ -115,10 +103,7 @@ def sparse_attention(q, k, v, positions, indices, counts, tail_start, max_keys: 
     block_m = max(MIN_BLOCK_M, triton.next_power_of_2(g))
     split_size = split_size or split_size_for(q.device, b * h_kv, max_keys)
     splits = max(1, math.ceil(max_keys / split_size))
-    dev = q.device
-    acc = torch.empty(b, h_kv, splits, block_m, d, device=dev, dtype=torch.float32)
-    maxes = torch.empty(b, h_kv, splits, block_m, device=dev, dtype=torch.float32)
-    sums = torch.empty_like(maxes)
+    acc, maxes, sums = split_buffers(b, h_kv, splits, block_m, d, q.device)
     indices = indices.contiguous()
     counts = counts.to(torch.int32).contiguous()
     tail_start = tail_start.to(torch.int32).contiguous()

@@ -73,6 +73,36 @@ def reference_verify_attention(q, k, v, positions, kv_len, row_weights=None):
 if triton is not None:
 
     @triton.jit
+    def _scaled_scores(q, k, sm_scale, IEEE: tl.constexpr):
+        """q [M, D] . k [N, D]^T * scale; exact float32 products for float32 inputs."""
+        if IEEE:
+            return tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale
+        return tl.dot(q, tl.trans(k)) * sm_scale
+
+    @triton.jit
+    def _softmax_step(s, vt, m_i, l_i, acc, IEEE: tl.constexpr):
+        """One online-softmax step over a tile of masked scores s [M, N] and values
+        vt [N, D]; rows with nothing visible yet keep max -inf and add nothing."""
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+        return m_new, l_i, acc
+
+    @triton.jit
+    def _store_partials(OUT, MAX, SUM, out_base, stat_base, so_m, acc, m_i, l_i,
+                        BLOCK_M: tl.constexpr, D: tl.constexpr):
+        rows = tl.arange(0, BLOCK_M)
+        tl.store(OUT + out_base + rows[:, None] * so_m + tl.arange(0, D)[None, :], acc)
+        tl.store(MAX + stat_base + rows, m_i)
+        tl.store(SUM + stat_base + rows, l_i)
+
+    @triton.jit
     def _verify_split_kernel(
         Q, K, V, POS, ROWW, OUT, MAX, SUM, SCORES,
         sq_b, sq_t, sq_h, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sp_b, sw_b,
@@ -106,32 +136,24 @@ if triton is not None:
             in_range = slots < end
             k = tl.load(K + b * sk_b + kvh * sk_h + slots[:, None] * sk_s + dims[None, :],
                         mask=in_range[:, None], other=0.0)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale
-            else:
-                s = tl.dot(q, tl.trans(k)) * sm_scale
+            s = _scaled_scores(q, k, sm_scale, IEEE)
             visible = (slots[None, :] <= pos[:, None]) & in_range[None, :] & row_ok[:, None]
             if COLLECT:
                 collected = tl.sum(tl.where(visible, s, 0.0) * weight[:, None], axis=0)
                 tl.store(SCORES + b * ss_b + kvh * ss_h + slots, collected, mask=in_range)
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(s - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
             vt = tl.load(V + b * sv_b + kvh * sv_h + slots[:, None] * sv_s + dims[None, :],
                          mask=in_range[:, None], other=0.0)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
-            m_i = m_new
-        base = b * so_b + kvh * so_h + split * so_sp
-        tl.store(OUT + base + rows[:, None] * so_m + dims[None, :], acc)
-        stat = b * sm_b + kvh * sm_h + split * sm_sp + rows
-        tl.store(MAX + stat, m_i)
-        tl.store(SUM + stat, l_i)
+            m_i, l_i, acc = _softmax_step(tl.where(visible, s, float("-inf")), vt, m_i, l_i,
+                                          acc, IEEE)
+        _store_partials(OUT, MAX, SUM, b * so_b + kvh * so_h + split * so_sp,
+                        b * sm_b + kvh * sm_h + split * sm_sp, so_m, acc, m_i, l_i, BLOCK_M, D)
+
+
+def split_buffers(b: int, h_kv: int, splits: int, block_m: int, d: int, device):
+    """Per-split partial outputs [B, H_kv, splits, M, D], row maxima and sums."""
+    acc = torch.empty(b, h_kv, splits, block_m, d, device=device, dtype=torch.float32)
+    maxes = torch.empty(b, h_kv, splits, block_m, device=device, dtype=torch.float32)
+    return acc, maxes, torch.empty_like(maxes)
 
 
 def merge_splits(acc, maxes, sums):
@@ -154,9 +176,7 @@ def verify_attention(q, k, v, positions, kv_len, row_weights=None, split_size=No
     split_size = split_size or split_size_for(q.device, b * h_kv, kv_len)
     splits = max(1, math.ceil(kv_len / split_size))
     dev = q.device
-    acc = torch.empty(b, h_kv, splits, block_m, d, device=dev, dtype=torch.float32)
-    maxes = torch.empty(b, h_kv, splits, block_m, device=dev, dtype=torch.float32)
-    sums = torch.empty_like(maxes)
+    acc, maxes, sums = split_buffers(b, h_kv, splits, block_m, d, dev)
     collect = row_weights is not None
     scores = torch.zeros(b, h_kv, kv_len, device=dev, dtype=torch.float32) if collect else maxes
     weights = row_weights.float().contiguous() if collect else maxes

@@ -4,7 +4,6 @@ subcommands, bad input, and the not-recommended and out-of-memory paths."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys

@@ -217,11 +217,9 @@ def _kernels_enabled(q: torch.Tensor) -> bool:
         return False
     if choice == "auto" and not q.is_cuda:
         return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
 
 
 def _kernel_attention(q, k, v, layer: int, meta: AttentionMeta) -> torch.Tensor | None:
@@ -260,8 +258,8 @@ def attend(q: torch.Tensor, cache: KVCache, layer: int, meta: AttentionMeta) -> 
     out = _kernel_attention(q, k, v, layer, meta)
     if out is not None:
         return out
-    collect = None
-    if meta.collector is not None:
-        def collect(scores, probs, mask):
-            meta.collector.add(layer, scores, probs, mask)
-    return reference_attention(q, k, v, meta.mask(layer, q, k), collect)
+    collector = meta.collector
+    on_scores = None
+    if collector is not None:
+        on_scores = lambda scores, probs, mask: collector.add(layer, scores, probs, mask)  # noqa: E731
+    return reference_attention(q, k, v, meta.mask(layer, q, k), on_scores)
