@@ -131,6 +131,11 @@ class Drafter:
     def select(self, inputs: SelectionInputs) -> object | None:
         raise NotImplementedError
 
+    def fused_row_weights(self, window_rows: int, batch: int, device) -> torch.Tensor | None:
+        """[B, T] weights of the verify rows whose logit scores count, when they are
+        known before the pass (a kernel then sums them on the fly); None otherwise."""
+        return None
+
 
 class DenseDrafter(Drafter):
     """Full attention in the draft: every greedy draft is accepted."""
@@ -147,8 +152,7 @@ class VegasDrafter(Drafter):
         self.collect_modes = {spec.score}
 
     def fused_row_weights(self, window_rows: int, batch: int, device) -> torch.Tensor | None:
-        """[B, T] weights of the rows that score, when known before the verify pass (so a
-        kernel can sum them on the fly): logit scores of the first/last or all rows."""
+        # Logit scores of the first/last or all rows: known before the pass.
         if self.spec.score != "logit" or self.spec.collect == "last":
             return None
         return collected_rows(self.spec.collect, window_rows,

@@ -77,8 +77,7 @@ class SpeculativeSession:
         modes = self.drafter.collect_modes
         if not modes:
             return None
-        fused = getattr(self.drafter, "fused_row_weights", None)
-        weights = fused(window_rows, self.batch, self.dev) if fused else None
+        weights = self.drafter.fused_row_weights(window_rows, self.batch, self.dev)
         return ScoreCollector(modes, self.drafter.collect_layers, weights)
 
     def _select(self, collector, window_rows: int, last_row: torch.Tensor,
