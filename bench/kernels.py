@@ -2,9 +2,11 @@
 
 For each (ctx, batch): the device-to-device copy bandwidth measured in the same run;
 single-row decode attention (ours, PyTorch SDPA); a 9-row verify (ours, ours with fused
-Collect-2-Query scores, SDPA); a 5% sparse draft (ours; PyTorch gather + SDPA). Every
-figure is a median over CUDA-event timings after warm-up, reported as microseconds and
-as a ratio. Kernels are first checked against the float32 reference on fresh inputs.
+Collect-2-Query scores, SDPA); the deferred Collect-2-Query weight scores after a verify
+(``collect_scores``, as a ratio to the 9-row verify); a 5% sparse draft (ours; PyTorch
+gather + SDPA). Every figure is a median over CUDA-event timings after warm-up, reported
+as microseconds and as a ratio. Kernels are first checked against the float32 reference
+on fresh inputs.
 
     python bench/kernels.py --out docs/results/kernels-h200.md
 """
@@ -22,6 +24,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kernels.collect_scores import collect_scores, reference_collect_scores  # noqa: E402
 from kernels.sparse_attention import reference_sparse_attention, sparse_attention  # noqa: E402
 from kernels.verify_attention import reference_verify_attention, verify_attention  # noqa: E402
 
@@ -75,10 +78,14 @@ def check(heads, kv_heads, dim) -> str:
     pos = torch.arange(ctx - rows, ctx, device="cuda").expand(b, -1)
     w = torch.zeros(b, rows, device="cuda")
     w[:, [0, -1]] = 1
-    out, _, scores = verify_attention(q, k, v, pos, ctx, w)
-    ref, _, ref_scores = reference_verify_attention(q.float(), k.float(), v.float(), pos, ctx, w)
+    out, lse, scores = verify_attention(q, k, v, pos, ctx, w)
+    ref, ref_lse, ref_scores = reference_verify_attention(q.float(), k.float(), v.float(), pos,
+                                                          ctx, w)
     e1 = (out.float() - ref).abs().max().item()
     e2 = ((scores - ref_scores).abs().max() / ref_scores.abs().max()).item()
+    weights = collect_scores(q, k, pos, w, ctx, lse)
+    ref_weights = reference_collect_scores(q.float(), k.float(), pos, w, ctx, ref_lse)
+    e4 = ((weights - ref_weights).abs().max() / ref_weights.abs().max()).item()
     budget = ctx // 20
     idx = torch.stack([torch.randperm(ctx - rows, device="cuda")[:budget] for _ in range(b)])[:, None]
     counts = torch.full((b,), budget, device="cuda")
@@ -88,17 +95,17 @@ def check(heads, kv_heads, dim) -> str:
                                       counts, tail)
     e3 = (sp.float() - sref).abs().max().item()
     return (f"bf16 vs float32 reference at ctx 4096, batch 2: verify out max abs error {e1:.2e}, "
-            f"fused scores max relative error {e2:.2e}, sparse out max abs error {e3:.2e}")
+            f"fused scores max relative error {e2:.2e}, deferred weight scores max relative "
+            f"error {e4:.2e}, sparse out max abs error {e3:.2e}")
 
 
-def bench(heads, kv_heads, dim, ctx, batch, bandwidth) -> dict:
+def bench(heads, kv_heads, dim, ctx, batch, bandwidth, rows: int) -> dict:
     dev, dt = "cuda", torch.bfloat16
     k = torch.randn(batch, kv_heads, ctx, dim, device=dev, dtype=dt)
     v = torch.randn_like(k)
     kv_bytes = 2 * k.numel() * k.element_size()
     floor_us = kv_bytes / bandwidth * 1e6
     r = {"ctx": ctx, "batch": batch, "floor_us": floor_us}
-    rows = 9
     q9 = torch.randn(batch, rows, heads, dim, device=dev, dtype=dt)
     q1 = q9[:, -1:].contiguous()
     pos9 = torch.arange(ctx - rows, ctx, device=dev).expand(batch, -1).contiguous()
@@ -110,6 +117,8 @@ def bench(heads, kv_heads, dim, ctx, batch, bandwidth) -> dict:
     r["decode_sdpa"] = median_us(lambda: F.scaled_dot_product_attention(sq1, k, v, enable_gqa=True))
     r["verify_ours"] = median_us(lambda: verify_attention(q9, k, v, pos9, ctx))
     r["verify_collect"] = median_us(lambda: verify_attention(q9, k, v, pos9, ctx, w))
+    _, lse9, _ = verify_attention(q9, k, v, pos9, ctx)
+    r["collect_weights"] = median_us(lambda: collect_scores(q9, k, pos9, w, ctx, lse9))
     mask = torch.arange(ctx, device=dev) <= pos9[:, None, :, None]
     sq9 = q9.transpose(1, 2)
     r["verify_sdpa"] = median_us(lambda: F.scaled_dot_product_attention(
@@ -136,6 +145,8 @@ def main() -> None:
     p.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
     p.add_argument("--ctx", nargs="+", type=int, default=[32768, 65536, 131072])
     p.add_argument("--batch", nargs="+", type=int, default=[1, 8])
+    p.add_argument("--verify-rows", type=int, default=9,
+                   help="rows of the verify window (gamma + 1)")
     p.add_argument("--out", default="docs/results/kernels-h200.md")
     args = p.parse_args()
     heads, kv_heads, dim = SHAPES[args.shape]
@@ -154,19 +165,22 @@ def main() -> None:
         f"microseconds.",
         f"- Correctness: {check(heads, kv_heads, dim)}",
         "",
-        "| ctx | batch | floor | decode ours | decode SDPA | verify-9 ours | +fused scores | "
-        "verify-9 SDPA | verify/decode | sparse 5% ours | gather+SDPA | sparse/decode |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        f"| ctx | batch | floor | decode ours | decode SDPA | verify-{args.verify_rows} ours | "
+        f"+fused scores | verify-{args.verify_rows} SDPA | verify/decode | deferred weight "
+        f"scores / verify-{args.verify_rows} | sparse 5% ours | "
+        "gather+SDPA | sparse/decode |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for ctx in args.ctx:
         for batch in args.batch:
-            r = bench(heads, kv_heads, dim, ctx, batch, bandwidth)
+            r = bench(heads, kv_heads, dim, ctx, batch, bandwidth, args.verify_rows)
             lines.append(
                 f"| {ctx} | {batch} | {r['floor_us']:.0f} | {r['decode_ours']:.0f} "
                 f"({r['decode_ours'] / r['floor_us']:.2f}x floor) | {r['decode_sdpa']:.0f} | "
                 f"{r['verify_ours']:.0f} | {r['verify_collect']:.0f} "
                 f"(+{100 * (r['verify_collect'] / r['verify_ours'] - 1):.0f}%) | "
                 f"{r['verify_sdpa']:.0f} | {r['verify_ours'] / r['decode_ours']:.2f} | "
+                f"{r['collect_weights']:.0f} ({r['collect_weights'] / r['verify_ours']:.2f}) | "
                 f"{r['sparse_ours']:.0f} | {r['sparse_gather_sdpa']:.0f} | "
                 f"{r['sparse_ours'] / r['decode_ours']:.2f} |")
             print(lines[-1], flush=True)

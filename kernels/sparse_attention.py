@@ -4,7 +4,14 @@ For sequence b and KV head h the keys are ``indices[b, g, :counts[b]]`` (g = 0 w
 the set is shared by all heads, g = h per KV head) followed by the contiguous slots
 ``tail_start[b] .. positions[b]``. Page size one: K/V rows are gathered by slot.
 One program per (sequence, KV head, split of that key list); the group's query heads
-share each gathered tile (GQA packing); splits are merged by log-sum-exp.
+share each gathered tile (GQA packing: row r of the tile is query head
+``kv_head * G + r``).
+
+As in ``kernels.verify_attention``, lengths live on the device only: the grid comes
+from the static bound ``max_keys`` and a split count, and each program cuts its own
+slice of ``total = counts[b] + max(positions[b] - tail_start[b] + 1, 0)`` keys, so one
+launch (a captured CUDA graph) serves any key count up to the bound. The splits are
+merged by log-sum-exp in the shared merge kernel, straight into out [B, 1, H, D].
 
 ``reference_sparse_attention`` is the PyTorch ground truth.
 """
@@ -15,14 +22,15 @@ import math
 
 import torch
 
-from kernels.verify_attention import (BLOCK_N, MIN_BLOCK_M, merge_splits, split_buffers,
-                                     split_size_for)
+from kernels.verify_attention import (BLOCK_N, block_rows, merge_partials, split_buffers,
+                                      splits_for)
 
 try:
     import triton
     import triton.language as tl
 
-    from kernels.verify_attention import _scaled_scores, _softmax_step, _store_partials
+    from kernels.verify_attention import (_scaled_scores, _softmax_step, _split_range,
+                                          _store_partials)
 except ImportError:
     triton = None
 
@@ -50,10 +58,10 @@ if triton is not None:
 
     @triton.jit
     def _sparse_split_kernel(
-        Q, K, V, POS, IDX, CNT, TAIL, OUT, MAX, SUM,
-        sq_b, sq_h, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, si_b, si_g,
-        so_b, so_h, so_sp, so_m, sm_b, sm_h, sm_sp,
-        split_size, sm_scale,
+        Q, K, V, POS, IDX, CNT, TAIL, ACC, MAX, SUM, LIVE,
+        sq_b, sq_h, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sp_b, si_b, si_g, sc_b, st_b,
+        sa_bh, sa_sp, sa_m, sm_bh, sm_sp,
+        splits, sm_scale,
         H_KV: tl.constexpr, G: tl.constexpr, PER_HEAD: tl.constexpr, D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
     ):
@@ -61,62 +69,71 @@ if triton is not None:
         split = tl.program_id(1)
         b = bh // H_KV
         kvh = bh % H_KV
+        # This head's K/V rows: 64-bit scalar bases (a cache can pass 2**31 elements),
+        # 32-bit offsets within them.
+        k_head = K + (b.to(tl.int64) * sk_b + kvh.to(tl.int64) * sk_h)
+        v_head = V + (b.to(tl.int64) * sv_b + kvh.to(tl.int64) * sv_h)
         rows = tl.arange(0, BLOCK_M)
         row_ok = rows < G
         dims = tl.arange(0, D)
         q = tl.load(Q + b * sq_b + (kvh * G + rows)[:, None] * sq_h + dims[None, :],
                     mask=row_ok[:, None], other=0.0)
-        count = tl.load(CNT + b)
-        tail0 = tl.load(TAIL + b)
-        pos = tl.load(POS + b)
+        # Slot arithmetic in 32 bits, whatever integer dtype the caller passes.
+        count = tl.load(CNT + b * sc_b).to(tl.int32)
+        tail0 = tl.load(TAIL + b * st_b).to(tl.int32)
+        pos = tl.load(POS + b * sp_b).to(tl.int32)
         total = count + tl.maximum(pos - tail0 + 1, 0)  # selected slots, then the tail
+        start, end, live = _split_range(total, split, splits, BLOCK_N)
         idx_base = IDX + b * si_b + (kvh * si_g if PER_HEAD else 0)
-        start = split * split_size
-        end = tl.minimum(start + split_size, total)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
         for j0 in range(start, end, BLOCK_N):
             j = j0 + tl.arange(0, BLOCK_N)
             in_range = j < end
-            listed = tl.load(idx_base + j, mask=in_range & (j < count), other=0)
+            listed = tl.load(idx_base + j, mask=in_range & (j < count), other=0).to(tl.int32)
             slot = tl.where(j < count, listed, tail0 + (j - count))
-            k = tl.load(K + b * sk_b + kvh * sk_h + slot[:, None] * sk_s + dims[None, :],
-                        mask=in_range[:, None], other=0.0)
+            k = tl.load(k_head + slot[:, None] * sk_s + dims[None, :], mask=in_range[:, None],
+                        other=0.0)
             s = _scaled_scores(q, k, sm_scale, IEEE)
             s = tl.where(in_range[None, :] & row_ok[:, None], s, float("-inf"))
-            vt = tl.load(V + b * sv_b + kvh * sv_h + slot[:, None] * sv_s + dims[None, :],
-                         mask=in_range[:, None], other=0.0)
+            vt = tl.load(v_head + slot[:, None] * sv_s + dims[None, :], mask=in_range[:, None],
+                         other=0.0)
             m_i, l_i, acc = _softmax_step(s, vt, m_i, l_i, acc, IEEE)
-        _store_partials(OUT, MAX, SUM, b * so_b + kvh * so_h + split * so_sp,
-                        b * sm_b + kvh * sm_h + split * sm_sp, so_m, acc, m_i, l_i, BLOCK_M, D)
+        _store_partials(ACC, MAX, SUM, LIVE, bh, split, bh * sa_bh + split * sa_sp,
+                        bh * sm_bh + split * sm_sp, sa_m, acc, m_i, l_i, live, start, end,
+                        G, BLOCK_M, D)
 
 
-def sparse_attention(q, k, v, positions, indices, counts, tail_start, max_keys: int,
-                     split_size=None):
-    """Triton sparse draft attention; ``max_keys`` bounds every sequence's key count
-    (selected + tail), which sizes the grid without reading device values."""
+def sparse_attention(q, k, v, positions, indices, counts, tail_start, max_keys: int, *,
+                     splits: int | None = None):
+    """Triton sparse draft attention -> out [B, 1, H, D] in q's dtype.
+
+    q [B, 1, H, D]; k, v [B, H_kv, S, D] (last dim contiguous); positions [B, 1];
+    indices [B, 1 or H_kv, K]; counts, tail_start [B] (any integer dtype); max_keys: a
+    static bound on every sequence's key count (selected + tail), which only sizes the
+    grid; splits: the split count (default ``splits_for``). Reads nothing back from the
+    device."""
     b, t, h, d = q.shape
     assert t == 1, "drafts attend with one query row"
     h_kv = k.shape[1]
     g = h // h_kv
-    block_m = max(MIN_BLOCK_M, triton.next_power_of_2(g))
-    split_size = split_size or split_size_for(q.device, b * h_kv, max_keys)
-    splits = max(1, math.ceil(max_keys / split_size))
-    acc, maxes, sums = split_buffers(b, h_kv, splits, block_m, d, q.device)
-    indices = indices.contiguous()
-    counts = counts.to(torch.int32).contiguous()
-    tail_start = tail_start.to(torch.int32).contiguous()
-    pos = positions[:, 0].to(torch.int32).contiguous()
+    dev = q.device
+    splits = splits or splits_for(dev, b * h_kv, max_keys)
+    partials = split_buffers(b, h_kv, splits, g, d, dev)
+    acc, maxes, sums, live = partials
+    if indices.stride(-1) != 1:
+        indices = indices.contiguous()
     _sparse_split_kernel[(b * h_kv, splits)](
-        q, k, v, pos, indices, counts, tail_start, acc, maxes, sums,
+        q, k, v, positions, indices, counts, tail_start, acc, maxes, sums, live,
         q.stride(0), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), indices.stride(0), indices.stride(1),
-        acc.stride(0), acc.stride(1), acc.stride(2), acc.stride(3),
-        maxes.stride(0), maxes.stride(1), maxes.stride(2),
-        split_size, 1.0 / math.sqrt(d),
-        H_KV=h_kv, G=g, PER_HEAD=indices.shape[1] > 1, D=d, BLOCK_M=block_m,
+        v.stride(0), v.stride(1), v.stride(2), positions.stride(0),
+        indices.stride(0), indices.stride(1), counts.stride(0), tail_start.stride(0),
+        acc.stride(0), acc.stride(1), acc.stride(2), maxes.stride(0), maxes.stride(1),
+        splits, 1.0 / math.sqrt(d),
+        H_KV=h_kv, G=g, PER_HEAD=indices.shape[1] > 1, D=d, BLOCK_M=block_rows(g),
         BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32,
     )
-    out, _ = merge_splits(acc, maxes, sums)  # [B, Hkv, M, D]
-    return out[:, :, :g].reshape(b, 1, h, d).to(q.dtype)
+    out = torch.empty(b, 1, h, d, device=dev, dtype=q.dtype)
+    merge_partials(partials, out, None, h_kv, g, 1)
+    return out

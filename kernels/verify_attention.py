@@ -2,15 +2,32 @@
 
 Flash-decoding layout: one program per (sequence, KV head, split of the KV length).
 All query heads of a KV group and all T rows of the window are packed into one tile of
-``G * T`` rows, so each K/V tile is read once for the whole group; splits are merged by
-log-sum-exp afterwards. Row r of the tile is query head ``kv_head * G + r // T`` at
-window row ``r % T``; key slot s is visible to it when ``s <= positions[b, r % T]``.
+``G * T`` rows, so each K/V tile is read once for the whole group. Row r of the tile is
+query head ``kv_head * G + r // T`` at window row ``r % T``; key slot s is visible to it
+when ``s <= positions[b, r % T]``.
+
+Lengths live on the device only. The host fixes the grid from a static bound (``kv_len``:
+the number of cache slots that may be read) and a number of splits; each program then
+sizes its own slice from the positions: ``total = min(kv_len, max(positions[b]) + 1)``
+slots are cut into ``splits`` slices of a whole number of BLOCK_N tiles, and splits past
+the end do nothing. The same launch is therefore correct for any length up to the bound,
+which is what a CUDA graph captured once and replayed as the sequences grow needs.
+
+Tiles wholly below every row's position (all but the window's own tiles and the range's
+end) need no mask at all, so they run on a mask-free path. Partial results of the
+splits ([B * H_kv, splits, G * T, D] plus row maxima and sums, float32; empty splits
+store nothing) are merged by log-sum-exp in a second small kernel, which writes ``out``
+[B, T, H, D] (q's dtype) and ``lse`` [B, T, H] (float32) in their final layout. A row
+that sees no slot gets out 0 and lse -inf.
 
 With ``row_weights`` ([B, T]) the kernel also emits the selection scores of the Vegas
 ``logit`` mode for free: for each slot, the sum over the group's heads and the window
-rows of ``weight[row] * q.k / sqrt(d)`` (visible slots only), shape [B, H_kv, S].
+rows of ``weight[row] * q.k / sqrt(d)`` (visible slots only), shape [B, H_kv, kv_len]
+(float32). Slots at or past each sequence's ``total`` are left unwritten: callers mask
+the slots beyond the prefix anyway.
 
-``reference_verify_attention`` is the PyTorch ground truth for both outputs.
+``reference_verify_attention`` is the PyTorch ground truth for all three outputs.
+The split/merge machinery here is shared with ``kernels.sparse_attention``.
 """
 
 from __future__ import annotations
@@ -25,10 +42,12 @@ try:
 except ImportError:  # CPU-only installs: the reference path is used
     triton = None
 
-BLOCK_N = 64
+BLOCK_N = 64  # key slots per tile
 MIN_BLOCK_M = 16  # tl.dot needs at least 16 rows
 MIN_HEAD_DIM = 16  # and a reduction of at least 16
 PROGRAMS_PER_SM = 4  # enough programs to keep every SM busy at batch 1
+MERGE_LANES = 16  # splits a merge program reads at once (independent loads in flight)
+MERGE_TILE = 4096  # elements of a merge program's [LANES, rows, D] running sums
 
 
 def supported(q: torch.Tensor) -> bool:
@@ -37,16 +56,15 @@ def supported(q: torch.Tensor) -> bool:
     return d >= MIN_HEAD_DIM and d & (d - 1) == 0
 
 
-def split_size_for(device: torch.device, programs_per_split: int, keys: int) -> int:
-    """KV slots per program: enough splits to give the GPU about PROGRAMS_PER_SM
-    programs per SM, never fewer than BLOCK_N slots each."""
+def splits_for(device: torch.device, programs_per_split: int, bound: int) -> int:
+    """Splits of the key range per (sequence, KV head): about PROGRAMS_PER_SM programs
+    per SM, but no more splits than BLOCK_N tiles under the static key bound."""
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
     else:
         sms = 1
-    splits = max(1, math.ceil(PROGRAMS_PER_SM * sms / max(programs_per_split, 1)))
-    size = math.ceil(max(keys, 1) / splits)
-    return max(BLOCK_N, math.ceil(size / BLOCK_N) * BLOCK_N)
+    wanted = math.ceil(PROGRAMS_PER_SM * sms / max(programs_per_split, 1))
+    return max(1, min(wanted, math.ceil(bound / BLOCK_N)))
 
 
 def reference_verify_attention(q, k, v, positions, kv_len, row_weights=None):
@@ -73,11 +91,11 @@ def reference_verify_attention(q, k, v, positions, kv_len, row_weights=None):
 if triton is not None:
 
     @triton.jit
-    def _scaled_scores(q, k, sm_scale, IEEE: tl.constexpr):
-        """q [M, D] . k [N, D]^T * scale; exact float32 products for float32 inputs."""
+    def _scaled_scores(a, b, sm_scale, IEEE: tl.constexpr):
+        """a [M, D] . b [N, D]^T * scale; exact float32 products for float32 inputs."""
         if IEEE:
-            return tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale
-        return tl.dot(q, tl.trans(k)) * sm_scale
+            return tl.dot(a, tl.trans(b), input_precision="ieee") * sm_scale
+        return tl.dot(a, tl.trans(b)) * sm_scale
 
     @triton.jit
     def _softmax_step(s, vt, m_i, l_i, acc, IEEE: tl.constexpr):
@@ -95,19 +113,127 @@ if triton is not None:
         return m_new, l_i, acc
 
     @triton.jit
-    def _store_partials(OUT, MAX, SUM, out_base, stat_base, so_m, acc, m_i, l_i,
-                        BLOCK_M: tl.constexpr, D: tl.constexpr):
+    def _split_range(total, split, splits, BLOCK_N: tl.constexpr):
+        """This split's slice [start, end) of ``total`` keys cut into ``splits`` slices of
+        whole tiles (end == start when empty), and how many slices are non-empty. Never a
+        zero-sized slice, so an empty key range (total 0) gives no live split rather than
+        a division by zero."""
+        tiles = tl.maximum(tl.cdiv(tl.cdiv(total, splits), BLOCK_N), 1)
+        split_size = tiles * BLOCK_N
+        start = split * split_size
+        end = tl.maximum(tl.minimum(start + split_size, total), start)
+        return start, end, tl.cdiv(total, split_size)
+
+    @triton.jit
+    def _store_partials(ACC, MAX, SUM, LIVE, bh, split, acc_base, stat_base, sa_m,
+                        acc, m_i, l_i, live, start, end,
+                        ROWS: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr):
+        """Store a split's ROWS valid rows; an empty split stores nothing, since the
+        merge reads only the ``live`` splits (written per (sequence, KV head) by split 0)."""
         rows = tl.arange(0, BLOCK_M)
-        tl.store(OUT + out_base + rows[:, None] * so_m + tl.arange(0, D)[None, :], acc)
-        tl.store(MAX + stat_base + rows, m_i)
-        tl.store(SUM + stat_base + rows, l_i)
+        # One comparison, not row_ok & scalar: the interpreter mistypes that mask.
+        keep = rows < tl.where(start < end, ROWS, 0)
+        tl.store(ACC + acc_base + rows[:, None] * sa_m + tl.arange(0, D)[None, :], acc,
+                 mask=keep[:, None])
+        tl.store(MAX + stat_base + rows, m_i, mask=keep)
+        tl.store(SUM + stat_base + rows, l_i, mask=keep)
+        if split == 0:
+            tl.store(LIVE + bh, live.to(tl.int32))
+
+    @triton.jit
+    def _merge_kernel(
+        ACC, MAX, SUM, LIVE, OUT, LSE,
+        sa_bh, sa_sp, sa_m, sm_bh, sm_sp, so_b, so_t, so_h, sl_b, sl_t, sl_h,
+        H_KV: tl.constexpr, G: tl.constexpr, T: tl.constexpr, D: tl.constexpr,
+        LANES: tl.constexpr, ROWS: tl.constexpr, STORE_LSE: tl.constexpr,
+    ):
+        """One program per (sequence * KV head, block of ROWS packed rows). Lane j merges
+        splits j, j + LANES, ... with an element-wise online log-sum-exp (no reduction
+        in the loop, so the LANES loads of a step are in flight together), then the
+        lanes are merged once."""
+        bh = tl.program_id(0)
+        rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+        row_ok = rows < G * T
+        b = bh // H_KV
+        kvh = bh % H_KV
+        live = tl.load(LIVE + bh)
+        lanes = tl.arange(0, LANES)
+        dims = tl.arange(0, D)
+        m_lane = tl.full([LANES, ROWS], float("-inf"), tl.float32)
+        l_lane = tl.zeros([LANES, ROWS], tl.float32)
+        acc_lane = tl.zeros([LANES, ROWS, D], tl.float32)
+        for s0 in range(0, live, LANES):
+            split = s0 + lanes
+            ok = (split[:, None] < live) & row_ok[None, :]  # [LANES, ROWS]
+            stat = bh * sm_bh + split[:, None] * sm_sp + rows[None, :]
+            m = tl.load(MAX + stat, mask=ok, other=float("-inf"))
+            l = tl.load(SUM + stat, mask=ok, other=0.0)
+            a = tl.load(ACC + bh * sa_bh + split[:, None, None] * sa_sp
+                        + rows[None, :, None] * sa_m + dims[None, None, :],
+                        mask=ok[:, :, None], other=0.0)
+            m_new = tl.maximum(m_lane, m)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_lane - m_safe)  # both factors are 0 for a -inf max
+            beta = tl.exp(m - m_safe)
+            l_lane = l_lane * alpha + l * beta
+            acc_lane = acc_lane * alpha[:, :, None] + a * beta[:, :, None]
+            m_lane = m_new
+        top = tl.max(m_lane, axis=0)  # [ROWS]
+        top_safe = tl.where(top == float("-inf"), 0.0, top)
+        scale = tl.exp(m_lane - top_safe[None, :])
+        total = tl.sum(l_lane * scale, axis=0)
+        acc = tl.sum(acc_lane * scale[:, :, None], axis=0)  # [ROWS, D]
+        seen = total > 0.0
+        out = acc / tl.where(seen, total, 1.0)[:, None]  # a row that sees nothing: 0, not NaN
+        head = kvh * G + rows // T
+        trow = rows % T
+        tl.store(OUT + b * so_b + trow[:, None] * so_t + head[:, None] * so_h + dims[None, :],
+                 out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+        if STORE_LSE:
+            lse = tl.where(seen, top_safe + tl.log(tl.where(seen, total, 1.0)), float("-inf"))
+            tl.store(LSE + b * sl_b + trow * sl_t + head * sl_h, lse, mask=row_ok)
+
+    @triton.jit
+    def _verify_tile(q, k_head, v_head, scores_head, n0, end, pos, weight, row_ok,
+                     m_i, l_i, acc, sk_s, sv_s, sm_scale, BLOCK_N: tl.constexpr,
+                     D: tl.constexpr, COLLECT: tl.constexpr, IEEE: tl.constexpr,
+                     VISIBLE: tl.constexpr):
+        """One tile of BLOCK_N slots from n0. A VISIBLE tile lies wholly before every
+        row's position and inside the range: no masks at all (wide, pipelined loads), and
+        its scores are the weighted sum of the rows' scores without a mask. Other tiles
+        (the window's own slots, the end of the range) mask slots per row."""
+        slots = n0 + tl.arange(0, BLOCK_N)
+        dims = tl.arange(0, D)
+        k_ptrs = k_head + slots[:, None] * sk_s + dims[None, :]
+        v_ptrs = v_head + slots[:, None] * sv_s + dims[None, :]
+        if VISIBLE:
+            k = tl.load(k_ptrs)
+            s = _scaled_scores(q, k, sm_scale, IEEE)
+            if COLLECT:
+                # The weighted column sum of the dot's own output: K stays a pure dot
+                # operand, so its shared-memory tile keeps the swizzled layout (a second
+                # consumer of K dropped it, and ldmatrix then bank-conflicted 8 ways).
+                # Padding rows have q = 0 and weight 0: they add nothing.
+                tl.store(scores_head + slots, tl.sum(s * weight[:, None], axis=0))
+            vt = tl.load(v_ptrs)
+        else:
+            in_range = slots < end
+            k = tl.load(k_ptrs, mask=in_range[:, None], other=0.0)
+            s = _scaled_scores(q, k, sm_scale, IEEE)
+            visible = (slots[None, :] <= pos[:, None]) & in_range[None, :] & row_ok[:, None]
+            if COLLECT:
+                collected = tl.sum(tl.where(visible, s, 0.0) * weight[:, None], axis=0)
+                tl.store(scores_head + slots, collected, mask=in_range)
+            vt = tl.load(v_ptrs, mask=in_range[:, None], other=0.0)
+            s = tl.where(visible, s, float("-inf"))
+        return _softmax_step(s, vt, m_i, l_i, acc, IEEE)
 
     @triton.jit
     def _verify_split_kernel(
-        Q, K, V, POS, ROWW, OUT, MAX, SUM, SCORES,
-        sq_b, sq_t, sq_h, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sp_b, sw_b,
-        so_b, so_h, so_sp, so_m, sm_b, sm_h, sm_sp, ss_b, ss_h,
-        kv_len, split_size, sm_scale,
+        Q, K, V, POS, ROWW, ACC, MAX, SUM, LIVE, SCORES,
+        sq_b, sq_t, sq_h, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sp_b, sp_t, sw_b, sw_t,
+        sa_bh, sa_sp, sa_m, sm_bh, sm_sp, ss_b, ss_h,
+        kv_len, splits, sm_scale,
         H_KV: tl.constexpr, G: tl.constexpr, T: tl.constexpr, D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, COLLECT: tl.constexpr,
         IEEE: tl.constexpr,
@@ -116,6 +242,11 @@ if triton is not None:
         split = tl.program_id(1)
         b = bh // H_KV
         kvh = bh % H_KV
+        # This head's K/V rows: 64-bit scalar bases (a cache can pass 2**31 elements),
+        # 32-bit offsets within them.
+        k_head = K + (b.to(tl.int64) * sk_b + kvh.to(tl.int64) * sk_h)
+        v_head = V + (b.to(tl.int64) * sv_b + kvh.to(tl.int64) * sv_h)
+        scores_head = SCORES + b * ss_b + kvh * ss_h
         rows = tl.arange(0, BLOCK_M)
         row_ok = rows < G * T
         head = kvh * G + rows // T
@@ -123,76 +254,112 @@ if triton is not None:
         dims = tl.arange(0, D)
         q = tl.load(Q + b * sq_b + trow[:, None] * sq_t + head[:, None] * sq_h + dims[None, :],
                     mask=row_ok[:, None], other=0.0)
-        pos = tl.load(POS + b * sp_b + trow, mask=row_ok, other=-1)
+        # Slot arithmetic in 32 bits (int64 positions would widen every [M, N] compare).
+        pos = tl.load(POS + b * sp_b + trow * sp_t, mask=row_ok, other=-1).to(tl.int32)
+        weight = tl.zeros([BLOCK_M], tl.float32)
         if COLLECT:
-            weight = tl.load(ROWW + b * sw_b + trow, mask=row_ok, other=0.0)
-        start = split * split_size
-        end = tl.minimum(start + split_size, kv_len)
+            weight = tl.load(ROWW + b * sw_b + trow * sw_t, mask=row_ok, other=0.0)
+        # The slots any row of this sequence sees, from the device positions alone.
+        total = tl.maximum(tl.minimum(tl.max(pos, axis=0) + 1, kv_len), 0)
+        start, end, live = _split_range(total, split, splits, BLOCK_N)
+        # Whole tiles below every row's position: visible to all rows.
+        seen_by_all = tl.minimum(tl.min(tl.where(row_ok, pos, kv_len), axis=0) + 1, end)
+        visible_end = start + tl.maximum(seen_by_all - start, 0) // BLOCK_N * BLOCK_N
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
-        for n0 in range(start, end, BLOCK_N):
-            slots = n0 + tl.arange(0, BLOCK_N)
-            in_range = slots < end
-            k = tl.load(K + b * sk_b + kvh * sk_h + slots[:, None] * sk_s + dims[None, :],
-                        mask=in_range[:, None], other=0.0)
-            s = _scaled_scores(q, k, sm_scale, IEEE)
-            visible = (slots[None, :] <= pos[:, None]) & in_range[None, :] & row_ok[:, None]
-            if COLLECT:
-                collected = tl.sum(tl.where(visible, s, 0.0) * weight[:, None], axis=0)
-                tl.store(SCORES + b * ss_b + kvh * ss_h + slots, collected, mask=in_range)
-            vt = tl.load(V + b * sv_b + kvh * sv_h + slots[:, None] * sv_s + dims[None, :],
-                         mask=in_range[:, None], other=0.0)
-            m_i, l_i, acc = _softmax_step(tl.where(visible, s, float("-inf")), vt, m_i, l_i,
-                                          acc, IEEE)
-        _store_partials(OUT, MAX, SUM, b * so_b + kvh * so_h + split * so_sp,
-                        b * sm_b + kvh * sm_h + split * sm_sp, so_m, acc, m_i, l_i, BLOCK_M, D)
+        for n0 in range(start, visible_end, BLOCK_N):
+            m_i, l_i, acc = _verify_tile(q, k_head, v_head, scores_head, n0, end, pos,
+                                         weight, row_ok, m_i, l_i, acc, sk_s, sv_s, sm_scale,
+                                         BLOCK_N, D, COLLECT, IEEE, True)
+        for n0 in range(visible_end, end, BLOCK_N):  # the window's tiles, the range's end
+            m_i, l_i, acc = _verify_tile(q, k_head, v_head, scores_head, n0, end, pos,
+                                         weight, row_ok, m_i, l_i, acc, sk_s, sv_s, sm_scale,
+                                         BLOCK_N, D, COLLECT, IEEE, False)
+        _store_partials(ACC, MAX, SUM, LIVE, bh, split, bh * sa_bh + split * sa_sp,
+                        bh * sm_bh + split * sm_sp, sa_m, acc, m_i, l_i, live, start, end,
+                        G * T, BLOCK_M, D)
 
 
-def split_buffers(b: int, h_kv: int, splits: int, block_m: int, d: int, device):
-    """Per-split partial outputs [B, H_kv, splits, M, D], row maxima and sums."""
-    acc = torch.empty(b, h_kv, splits, block_m, d, device=device, dtype=torch.float32)
-    maxes = torch.empty(b, h_kv, splits, block_m, device=device, dtype=torch.float32)
-    return acc, maxes, torch.empty_like(maxes)
+def block_rows(rows: int) -> int:
+    """Tile height for ``rows`` packed query rows."""
+    return max(MIN_BLOCK_M, triton.next_power_of_2(rows))
 
 
-def merge_splits(acc, maxes, sums):
-    """acc [..., S, M, D], maxes/sums [..., S, M] -> (out [..., M, D], lse [..., M])."""
-    top = maxes.max(dim=-2, keepdim=True).values
-    top_safe = torch.where(torch.isinf(top), torch.zeros_like(top), top)
-    scale = torch.exp(maxes - top_safe)  # empty splits: exp(-inf) = 0
-    total = (sums * scale).sum(dim=-2)
-    out = (acc * scale[..., None]).sum(dim=-3) / total[..., None]
-    return out, top_safe.squeeze(-2) + torch.log(total)
+def split_buffers(b: int, h_kv: int, splits: int, rows: int, d: int, device):
+    """Per-split partials: acc [B * H_kv, splits, rows, D], row maxima and sums
+    [B * H_kv, splits, rows] (float32), and the live split count [B * H_kv] (int32).
+    Nothing is initialised: the split kernel writes what the merge reads."""
+    acc = torch.empty(b * h_kv, splits, rows, d, device=device, dtype=torch.float32)
+    maxes = torch.empty(b * h_kv, splits, rows, device=device, dtype=torch.float32)
+    live = torch.empty(b * h_kv, device=device, dtype=torch.int32)
+    return acc, maxes, torch.empty_like(maxes), live
 
 
-def verify_attention(q, k, v, positions, kv_len, row_weights=None, split_size=None):
+def merge_partials(partials, out: torch.Tensor, lse: torch.Tensor | None, h_kv: int,
+                   g: int, t: int) -> None:
+    """Merge ``split_buffers`` into out [B, T, H, D] and, when given, lse [B, T, H]."""
+    acc, maxes, sums, live = partials
+    bh, _, rows, d = acc.shape
+    # As many rows per program as keep the LANES x ROWS x D tile within budget.
+    block = max(1, min(triton.next_power_of_2(rows), MERGE_TILE // (MERGE_LANES * d)))
+    lse_arg = lse if lse is not None else out  # unused placeholder pointer
+    lse_strides = lse.stride() if lse is not None else (0, 0, 0)
+    _merge_kernel[(bh, triton.cdiv(rows, block))](
+        acc, maxes, sums, live, out, lse_arg,
+        acc.stride(0), acc.stride(1), acc.stride(2), maxes.stride(0), maxes.stride(1),
+        out.stride(0), out.stride(1), out.stride(2), *lse_strides,
+        H_KV=h_kv, G=g, T=t, D=d, LANES=MERGE_LANES, ROWS=block,
+        STORE_LSE=lse is not None,
+    )
+
+
+def _scores_buffer(scores_out, b: int, h_kv: int, kv_len: int, device) -> torch.Tensor:
+    if scores_out is None:
+        # Slots past each sequence's total stay unwritten, so no zero-fill.
+        return torch.empty(b, h_kv, kv_len, device=device, dtype=torch.float32)
+    if (scores_out.dtype != torch.float32 or tuple(scores_out.shape[:2]) != (b, h_kv)
+            or scores_out.shape[2] < kv_len or scores_out.stride(2) != 1):
+        raise ValueError(f"scores_out must be float32 [{b}, {h_kv}, >= {kv_len}] with a "
+                         f"contiguous last dim, got {scores_out.dtype} {tuple(scores_out.shape)} "
+                         f"strides {scores_out.stride()}")
+    return scores_out
+
+
+def verify_attention(q, k, v, positions, kv_len: int, row_weights=None, *, scores_out=None,
+                     splits: int | None = None):
     """Triton verify/decode attention; same contract as ``reference_verify_attention``
-    but ``out`` in q's dtype."""
+    but ``out`` in q's dtype, and scores only at slots < each sequence's total.
+
+    q [B, T, H, D]; k, v [B, H_kv, >= kv_len, D] (last dim contiguous); positions [B, T];
+    kv_len: a static bound on the slots read; row_weights [B, T] or None; scores_out: an
+    optional float32 [B, H_kv, >= kv_len] home for the scores (any strides but the last);
+    splits: the split count (default ``splits_for``). Reads nothing back from the device.
+    """
     b, t, h, d = q.shape
     h_kv = k.shape[1]
     g = h // h_kv
-    block_m = max(MIN_BLOCK_M, triton.next_power_of_2(g * t))
-    split_size = split_size or split_size_for(q.device, b * h_kv, kv_len)
-    splits = max(1, math.ceil(kv_len / split_size))
     dev = q.device
-    acc, maxes, sums = split_buffers(b, h_kv, splits, block_m, d, dev)
+    splits = splits or splits_for(dev, b * h_kv, kv_len)
+    partials = split_buffers(b, h_kv, splits, g * t, d, dev)
+    acc, maxes, sums, live = partials
     collect = row_weights is not None
-    scores = torch.zeros(b, h_kv, kv_len, device=dev, dtype=torch.float32) if collect else maxes
-    weights = row_weights.float().contiguous() if collect else maxes
-    positions = positions.contiguous()
+    if scores_out is not None and not collect:
+        raise ValueError("scores_out needs row_weights")
+    scores = _scores_buffer(scores_out, b, h_kv, kv_len, dev) if collect else maxes
+    weights = row_weights.float() if collect else positions  # placeholder pointer
     _verify_split_kernel[(b * h_kv, splits)](
-        q, k, v, positions, weights, acc, maxes, sums, scores,
+        q, k, v, positions, weights, acc, maxes, sums, live, scores,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), positions.stride(0), weights.stride(0),
-        acc.stride(0), acc.stride(1), acc.stride(2), acc.stride(3),
-        maxes.stride(0), maxes.stride(1), maxes.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), positions.stride(0), positions.stride(1),
+        weights.stride(0), weights.stride(1),
+        acc.stride(0), acc.stride(1), acc.stride(2), maxes.stride(0), maxes.stride(1),
         scores.stride(0), scores.stride(1),
-        kv_len, split_size, 1.0 / math.sqrt(d),
-        H_KV=h_kv, G=g, T=t, D=d, BLOCK_M=block_m, BLOCK_N=BLOCK_N, COLLECT=collect,
-        IEEE=q.dtype == torch.float32,
+        kv_len, splits, 1.0 / math.sqrt(d),
+        H_KV=h_kv, G=g, T=t, D=d, BLOCK_M=block_rows(g * t), BLOCK_N=BLOCK_N,
+        COLLECT=collect, IEEE=q.dtype == torch.float32,
     )
-    out, lse = merge_splits(acc, maxes, sums)  # [B, Hkv, M, D], [B, Hkv, M]
-    out = out[:, :, : g * t].view(b, h_kv, g, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, h, d)
-    lse = lse[:, :, : g * t].view(b, h_kv, g, t).permute(0, 3, 1, 2).reshape(b, t, h)
-    return out.to(q.dtype), lse, (scores if collect else None)
+    out = torch.empty(b, t, h, d, device=dev, dtype=q.dtype)
+    lse = torch.empty(b, t, h, device=dev, dtype=torch.float32)
+    merge_partials(partials, out, lse, h_kv, g, t)
+    return out, lse, (scores if collect else None)

@@ -1,7 +1,12 @@
 """Triton kernels against their float64 PyTorch references, on fresh random inputs.
 
 On a machine without a GPU they run in Triton's interpreter (small sizes); on a GPU the
-same tests run natively, in float32 and bfloat16.
+same tests run natively, in float32 and bfloat16, and the one-launch test replays a
+captured CUDA graph.
+
+Ragged batches throughout: each sequence's window ends at a different slot, so each has
+its own ``total`` (slots seen) below the static ``kv_len`` bound. Score slots at or past
+a sequence's total are unwritten by contract, so only slots below it are compared.
 """
 
 from __future__ import annotations
@@ -11,12 +16,17 @@ import torch
 
 triton = pytest.importorskip("triton", reason="Triton is optional on CPU-only installs")
 
+from kernels.collect_scores import (COLLECT_TILES, collect_scores,  # noqa: E402
+                                    reference_collect_scores)
+from kernels.verify_attention import BLOCK_N  # noqa: E402
 from kernels.sparse_attention import reference_sparse_attention, sparse_attention  # noqa: E402
 from kernels.verify_attention import reference_verify_attention, verify_attention  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16] if DEVICE == "cuda" else [torch.float32]
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+SCORE_TOLERANCE = 10  # scores sum G * T terms: their absolute error grows with that
+SLACK = 40  # cache slots past kv_len: the kernels must not read them
 
 
 def randn(*shape, dtype, seed):
@@ -24,64 +34,245 @@ def randn(*shape, dtype, seed):
     return torch.randn(*shape, generator=g, device=DEVICE, dtype=torch.float32).to(dtype)
 
 
+def window_positions(ends, rows):
+    """[B, rows]: sequence b's window covers slots ends[b] - rows .. ends[b] - 1."""
+    return torch.stack([torch.arange(e - rows, e) for e in ends]).to(DEVICE)
+
+
+def row_weights(kind: str, batch: int, rows: int) -> torch.Tensor:
+    """[B, T]: the first and last rows, all rows, or one row per sequence (one-hot at
+    the last accepted row, which differs between sequences)."""
+    w = torch.zeros(batch, rows, device=DEVICE)
+    if kind == "two":
+        w[:, [0, -1]] = 1.0
+    elif kind == "all":
+        w[:] = 1.0
+    else:
+        w[torch.arange(batch), torch.arange(batch) * 3 % rows] = 1.0
+    return w
+
+
+def selected_slots(prefix, groups, width, generator):
+    """[B, groups, width] distinct slots below prefix[b] (where the selection lives: the
+    tail starts there), in random order, padded with 0 past prefix[b]."""
+    indices = torch.zeros(len(prefix), groups, width, dtype=torch.long)
+    for b, n in enumerate(prefix):
+        for group in range(groups):
+            indices[b, group, :min(n, width)] = torch.randperm(n, generator=generator)[:width]
+    return indices.to(DEVICE)
+
+
+def captured(launch):
+    """On a GPU: ``launch`` captured once in a CUDA graph, as a function that replays it
+    and returns its (static) outputs. On the CPU: ``launch`` itself."""
+    if DEVICE != "cuda":
+        return launch
+    launch()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = launch()
+
+    def replay():
+        graph.replay()
+        return static
+
+    return replay
+
+
+def assert_prefix_close(got, ref, ends, tol):
+    """Compare [B, H_kv, S] scores at the slots below each sequence's end only."""
+    for b, end in enumerate(ends):
+        torch.testing.assert_close(got[b, :, :end].double(), ref[b, :, :end].double(),
+                                   atol=tol * SCORE_TOLERANCE, rtol=tol)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("batch, rows, heads, kv_heads, dim, kv_len, split", [
-    (2, 9, 8, 2, 64, 257, 128),  # gamma = 8 verify, GQA 4, ragged split
-    (1, 1, 4, 4, 32, 100, 512),  # a decode step, no GQA, one split
-    (3, 3, 6, 3, 64, 700, 64),  # many splits
-    (2, 7, 9, 3, 64, 129, 128),  # SmolLM2's heads: 21 packed rows
+@pytest.mark.parametrize("batch, rows, heads, kv_heads, dim, kv_len, splits", [
+    (2, 9, 8, 2, 64, 257, None),  # gamma = 8 verify, GQA 4, the default split count
+    (2, 9, 8, 2, 64, 257, 3),  # split boundaries that differ between sequences
+    (1, 1, 4, 4, 32, 100, 8),  # a decode step, no GQA: more splits than tiles (empty ones)
+    (3, 3, 6, 3, 64, 700, 5),  # many tiles per split
+    (2, 7, 9, 3, 64, 129, 2),  # SmolLM2's heads: 21 packed rows
 ])
 def test_verify_attention_matches_reference(dtype, batch, rows, heads, kv_heads, dim, kv_len,
-                                            split):
-    seed = batch * 100 + rows
+                                            splits):
+    seed = batch * 100 + rows + (splits or 0)
     q = randn(batch, rows, heads, dim, dtype=dtype, seed=seed)
-    k = randn(batch, kv_heads, kv_len + 40, dim, dtype=dtype, seed=seed + 1)
-    v = randn(batch, kv_heads, kv_len + 40, dim, dtype=dtype, seed=seed + 2)
-    # Ragged: each sequence's window ends at a different slot.
-    ends = [kv_len - 5 * i for i in range(batch)]
-    positions = torch.stack([torch.arange(e - rows, e) for e in ends]).to(DEVICE)
-    weights = torch.zeros(batch, rows, device=DEVICE)
-    weights[:, 0] = 1.0
-    weights[:, -1] = 1.0
-    out, lse, scores = verify_attention(q, k, v, positions, kv_len, weights, split_size=split)
+    k = randn(batch, kv_heads, kv_len + SLACK, dim, dtype=dtype, seed=seed + 1)
+    v = randn(batch, kv_heads, kv_len + SLACK, dim, dtype=dtype, seed=seed + 2)
+    ends = [kv_len - 37 * i for i in range(batch)]  # only the first reaches the bound
+    positions = window_positions(ends, rows)
+    weights = row_weights("two", batch, rows)
+    out, lse, scores = verify_attention(q, k, v, positions, kv_len, weights, splits=splits)
     ref_out, ref_lse, ref_scores = reference_verify_attention(
         q.double(), k.double(), v.double(), positions, kv_len, weights.double())
     tol = TOLERANCE[dtype]
+    assert out.dtype == dtype and lse.dtype == torch.float32 and scores.shape == ref_scores.shape
     torch.testing.assert_close(out.double(), ref_out, atol=tol, rtol=tol)
     torch.testing.assert_close(lse.double(), ref_lse, atol=tol, rtol=tol)
-    torch.testing.assert_close(scores.double(), ref_scores, atol=tol * 10, rtol=tol)
-    plain_out, _, none = verify_attention(q, k, v, positions, kv_len, split_size=split)
-    assert none is None and torch.equal(plain_out, out)
+    assert_prefix_close(scores, ref_scores, ends, tol)
+
+    plain_out, plain_lse, none = verify_attention(q, k, v, positions, kv_len, splits=splits)
+    assert none is None and torch.equal(plain_out, out) and torch.equal(plain_lse, lse)
+
+    # Into a strided slice of a bigger buffer: only the slots below each end are written.
+    big = torch.full((batch + 1, 2 * kv_heads, kv_len + SLACK), float("nan"), device=DEVICE)
+    home = big[1:, ::2, 3:]
+    _, _, into = verify_attention(q, k, v, positions, kv_len, weights, scores_out=home,
+                                  splits=splits)
+    assert into.data_ptr() == home.data_ptr()
+    assert_prefix_close(home, ref_scores, ends, tol)
+    written = torch.zeros_like(big, dtype=torch.bool)
+    for b, end in enumerate(ends):
+        written[1 + b, ::2, 3:3 + end] = True
+    assert big[written].isfinite().all() and big[~written].isnan().all()
+
+
+def test_verify_attention_scattered_rows():
+    """Rows whose positions are out of order, far apart or -1 (a row that sees nothing:
+    out 0, lse -inf): tiles below some rows' positions but not others' are masked."""
+    batch, rows, heads, kv_heads, dim, kv_len = 2, 5, 4, 2, 32, 300
+    q = randn(batch, rows, heads, dim, dtype=torch.float32, seed=11)
+    k = randn(batch, kv_heads, kv_len, dim, dtype=torch.float32, seed=12)
+    v = randn(batch, kv_heads, kv_len, dim, dtype=torch.float32, seed=13)
+    positions = torch.tensor([[250, 3, 140, 299, 70], [-1, 200, 64, 63, 128]], device=DEVICE)
+    weights = torch.rand(batch, rows, generator=torch.Generator().manual_seed(14)).to(DEVICE)
+    out, lse, scores = verify_attention(q, k, v, positions, kv_len, weights, splits=3)
+    ref_out, ref_lse, ref_scores = reference_verify_attention(
+        q.double(), k.double(), v.double(), positions, kv_len, weights.double())
+    seen = positions >= 0  # [B, T]
+    tol = TOLERANCE[torch.float32]
+    torch.testing.assert_close(out[seen].double(), ref_out[seen], atol=tol, rtol=tol)
+    torch.testing.assert_close(lse[seen].double(), ref_lse[seen], atol=tol, rtol=tol)
+    assert (out[~seen] == 0).all() and (lse[~seen] == float("-inf")).all()
+    assert_prefix_close(scores, ref_scores, [300, 201], tol)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("per_head", [False, True])
-@pytest.mark.parametrize("counts, tails, split", [
-    ([70, 33], [5, 9], 32),  # ragged budgets and tails, many splits
-    ([0, 1], [0, 3], 64),  # edges: no selected slot (tail only), one selected slot
-    ([120, 120], [2, 2], 256),  # the whole prefix selected: dense
+@pytest.mark.parametrize("budget, tails, splits", [
+    ([70, 33], [5, 9], 3),  # ragged budgets and tails
+    ([0, 1], [0, 3], 16),  # edges: no selected slot (tail only), one; mostly empty splits
+    ("all", [2, 2], None),  # the whole prefix selected: dense, the default split count
 ])
-def test_sparse_attention_matches_reference(dtype, per_head, counts, tails, split):
+def test_sparse_attention_matches_reference(dtype, per_head, budget, tails, splits):
     batch, heads, kv_heads, dim, slots = 2, 8, 2, 64, 160
-    seed = sum(counts) + split
+    seed = len(str(budget)) + sum(tails) + (splits or 0)
     q = randn(batch, 1, heads, dim, dtype=dtype, seed=seed)
     k = randn(batch, kv_heads, slots, dim, dtype=dtype, seed=seed + 1)
     v = randn(batch, kv_heads, slots, dim, dtype=dtype, seed=seed + 2)
     positions = torch.tensor([[slots - 1], [slots - 11]], device=DEVICE)
     tail_start = positions[:, 0] - torch.tensor(tails, device=DEVICE)
+    prefix = tail_start.tolist()  # the test's own bookkeeping, not the kernel's
+    counts = prefix if budget == "all" else budget
     groups = kv_heads if per_head else 1
-    g = torch.Generator().manual_seed(seed)
-    indices = torch.stack([torch.stack([torch.randperm(int(tail_start[b]), generator=g)[:120]
-                                        for _ in range(groups)]) for b in range(batch)])
-    indices = indices.to(DEVICE)
+    indices = selected_slots(prefix, groups, max(prefix), torch.Generator().manual_seed(seed))
     counts_t = torch.tensor(counts, device=DEVICE)
     max_keys = max(c + t + 1 for c, t in zip(counts, tails))
     out = sparse_attention(q, k, v, positions, indices, counts_t, tail_start, max_keys,
-                           split_size=split)
+                           splits=splits)
     ref = reference_sparse_attention(q.double(), k.double(), v.double(), positions, indices,
                                      counts_t, tail_start)
     tol = TOLERANCE[dtype]
+    assert out.dtype == dtype
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mode", ["logit", "weight"])
+@pytest.mark.parametrize("rows_kind", ["two", "all", "last"])
+def test_collect_scores_matches_reference(dtype, mode, rows_kind):
+    # Two blocks of slots per KV head (a program's share); the second sequence ends
+    # inside the first, so its second block is skipped.
+    block = COLLECT_TILES * BLOCK_N
+    batch, rows, heads, kv_heads, dim, kv_len = 2, 9, 8, 2, 32, block + 88
+    seed = len(mode) * 10 + len(rows_kind)
+    q = randn(batch, rows, heads, dim, dtype=dtype, seed=seed)
+    k = randn(batch, kv_heads, kv_len + SLACK, dim, dtype=dtype, seed=seed + 1)
+    v = randn(batch, kv_heads, kv_len + SLACK, dim, dtype=dtype, seed=seed + 2)
+    ends = [kv_len, block - 29]
+    positions = window_positions(ends, rows)
+    weights = row_weights(rows_kind, batch, rows)
+    _, lse, _ = verify_attention(q, k, v, positions, kv_len, splits=2)
+    _, ref_lse, _ = reference_verify_attention(q.double(), k.double(), v.double(), positions,
+                                               kv_len)
+    weight_mode = mode == "weight"
+    got = collect_scores(q, k, positions, weights, kv_len, lse if weight_mode else None)
+    ref = reference_collect_scores(q.double(), k.double(), positions, weights.double(), kv_len,
+                                   ref_lse if weight_mode else None)
+    assert got.dtype == torch.float32 and got.shape == (batch, kv_heads, kv_len)
+    assert_prefix_close(got, ref, ends, TOLERANCE[dtype])
+    if not weight_mode:  # the same sums as the scores fused into the verify pass
+        _, _, fused = verify_attention(q, k, v, positions, kv_len, weights, splits=2)
+        assert_prefix_close(got, fused, ends, TOLERANCE[dtype])
+
+    home = torch.full((batch, 2 * kv_heads, kv_len + 5), float("nan"), device=DEVICE)[:, 1::2]
+    into = collect_scores(q, k, positions, weights, kv_len, lse if weight_mode else None,
+                          out=home)
+    assert into.data_ptr() == home.data_ptr()
+    assert_prefix_close(home, ref, ends, TOLERANCE[dtype])
+    assert home[1, :, ends[1]:].isnan().all()  # past the end: unwritten
+
+
+def test_reference_scores_agree():
+    """The two references' logit sums agree (the fused and the deferred path)."""
+    q = randn(2, 4, 4, 16, dtype=torch.float64, seed=7)
+    k = randn(2, 2, 30, 16, dtype=torch.float64, seed=8)
+    v = randn(2, 2, 30, 16, dtype=torch.float64, seed=9)
+    positions = window_positions([30, 21], 4)
+    w = row_weights("two", 2, 4).double()
+    _, _, fused = reference_verify_attention(q, k, v, positions, 30, w)
+    torch.testing.assert_close(reference_collect_scores(q, k, positions, w, 30), fused)
+
+
+def test_one_launch_serves_two_lengths():
+    """One launch configuration (fixed grid and arguments: split count, kv_len bound,
+    key bound, buffers) is right for a short and a long state of the same buffers, as a
+    CUDA graph captured once and replayed while the sequences grow needs. On a GPU the
+    launches are captured in a graph and replayed; on the CPU they are called again."""
+    batch, rows, heads, kv_heads, dim, bound, splits, width = 2, 4, 4, 2, 32, 256, 3, 64
+    q = randn(batch, rows, heads, dim, dtype=torch.float32, seed=1)
+    k = randn(batch, kv_heads, bound, dim, dtype=torch.float32, seed=2)
+    v = randn(batch, kv_heads, bound, dim, dtype=torch.float32, seed=3)
+    weights = row_weights("two", batch, rows)
+    # The buffers the launches read: refilled in place for each state.
+    positions = torch.zeros(batch, rows, dtype=torch.long, device=DEVICE)
+    indices = torch.zeros(batch, 1, width, dtype=torch.long, device=DEVICE)
+    counts = torch.zeros(batch, dtype=torch.long, device=DEVICE)
+    tail_start = torch.zeros(batch, dtype=torch.long, device=DEVICE)
+    fused = torch.empty(batch, kv_heads, bound, device=DEVICE)
+    deferred = torch.empty(batch, kv_heads, bound, device=DEVICE)
+    max_keys = width + bound
+
+    def launch():
+        out, lse, _ = verify_attention(q, k, v, positions, bound, weights, scores_out=fused,
+                                       splits=splits)
+        collect_scores(q, k, positions, weights, bound, lse, out=deferred)
+        draft = sparse_attention(q[:, -1:], k, v, positions[:, -1:], indices, counts,
+                                 tail_start, max_keys, splits=splits)
+        return out, lse, draft
+
+    replay = captured(launch)
+    g = torch.Generator().manual_seed(4)
+    for ends, budgets, tails in (([60, 33], [10, 0], [3, 0]), ([bound, 190], [64, 40], [20, 5])):
+        positions.copy_(window_positions(ends, rows))
+        tail_start.copy_(torch.tensor([e - 1 - t for e, t in zip(ends, tails)]))
+        counts.copy_(torch.tensor(budgets))
+        indices.copy_(selected_slots([e - 1 - t for e, t in zip(ends, tails)], 1, width, g))
+        out, lse, draft = replay()
+        ref_out, ref_lse, ref_scores = reference_verify_attention(
+            q.double(), k.double(), v.double(), positions, bound, weights.double())
+        tol = TOLERANCE[torch.float32]
+        torch.testing.assert_close(out.double(), ref_out, atol=tol, rtol=tol)
+        torch.testing.assert_close(lse.double(), ref_lse, atol=tol, rtol=tol)
+        assert_prefix_close(fused, ref_scores, ends, tol)
+        ref_weights = reference_collect_scores(q.double(), k.double(), positions,
+                                               weights.double(), bound, ref_lse)
+        assert_prefix_close(deferred, ref_weights, ends, tol)
+        ref_draft = reference_sparse_attention(q[:, -1:].double(), k.double(), v.double(),
+                                               positions[:, -1:], indices, counts, tail_start)
+        torch.testing.assert_close(draft.double(), ref_draft, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("drafter", ["vegas", "streaming", "snapkv"])

@@ -1,0 +1,171 @@
+"""Selection scores after the verify pass, when they could not be fused into it.
+
+The Vegas drafter ranks the prefix slots of each KV head by the attention of a few
+window rows. When those rows are only known once acceptance is decided (the ``last``
+accepted row) or the scores are softmax weights (which need the final log-sum-exp of
+each row), the verify kernel cannot sum them on the fly; this kernel computes them
+afterwards from the same q, reading K once more:
+
+    scores[b, kvh, s] = sum over the group's heads h and window rows t of
+                        row_weights[b, t] * x(b, t, h, s),   for s <= positions[b, t]
+
+with ``x = q.k / sqrt(D)`` (``logit`` mode, ``lse`` None) or ``x = exp(q.k / sqrt(D) -
+lse[b, t, h])`` (``weight`` mode, ``lse`` [B, T, H] from ``verify_attention``).
+Invisible slots contribute 0.
+
+Layout as in ``kernels.verify_attention``: the G * T rows of a KV group are packed into
+one tile (row r: head ``kvh * G + r // T``, window row ``r % T``). One program per
+(sequence * KV head, block of COLLECT_TILES tiles of BLOCK_N slots up to the static
+``kv_len``); a program reads ``total = min(kv_len, max(positions[b]) + 1)`` from the
+device and does nothing past it, so one launch (a captured CUDA graph) serves any length
+up to the bound. Slots at or past ``total`` are left unwritten.
+
+``reference_collect_scores`` is the PyTorch ground truth.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kernels.verify_attention import BLOCK_N, block_rows, supported
+
+try:
+    import triton
+    import triton.language as tl
+
+    from kernels.verify_attention import _scaled_scores
+except ImportError:  # CPU-only installs: the reference path is used
+    triton = None
+
+# BLOCK_N tiles per program: q is loaded once for them, and the loop lets the next K
+# tile load while this one is reduced.
+COLLECT_TILES = 8
+
+__all__ = ["collect_scores", "reference_collect_scores", "supported"]
+
+
+def reference_collect_scores(q, k, positions, row_weights, kv_len, lse=None):
+    """q [B, T, H, D]; k [B, H_kv, S, D]; positions, row_weights [B, T]; lse [B, T, H] or
+    None -> scores [B, H_kv, kv_len] in float32 or wider (q's dtype if wider)."""
+    b, t, h, d = q.shape
+    h_kv = k.shape[1]
+    g = h // h_kv
+    acc = torch.promote_types(q.dtype, torch.float32)
+    qg = q.to(acc).view(b, t, h_kv, g, d).permute(0, 2, 3, 1, 4)  # [B, Hkv, G, T, D]
+    x = torch.einsum("bkgtd,bksd->bkgts", qg, k[:, :, :kv_len].to(acc)) / math.sqrt(d)
+    if lse is not None:
+        row_lse = lse.to(acc).view(b, t, h_kv, g).permute(0, 2, 3, 1)  # [B, Hkv, G, T]
+        x = torch.exp(x - row_lse[..., None])
+    visible = torch.arange(kv_len, device=q.device) <= positions[:, None, None, :, None]
+    w = row_weights.to(acc)[:, None, None, :, None]
+    return (x.masked_fill(~visible, 0.0) * w).sum(dim=(2, 3))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _collect_tile(q, k_head, out_head, n0, end, pos, weight, row_lse, row_ok, sk_s,
+                      sm_scale, BLOCK_N: tl.constexpr, D: tl.constexpr,
+                      WEIGHT_MODE: tl.constexpr, IEEE: tl.constexpr, MASKED: tl.constexpr):
+        """Scores of the BLOCK_N slots from n0. The tile is transposed, slots x rows, so
+        that the sum over rows stays inside each warp (the slots are spread over the
+        warps). Only the tile holding the sequence's end (MASKED) masks slots at or past
+        ``end``, so whole tiles load wide."""
+        slots = n0 + tl.arange(0, BLOCK_N)
+        in_range = slots < end
+        k_ptrs = k_head + slots[:, None] * sk_s + tl.arange(0, D)[None, :]
+        if MASKED:
+            k = tl.load(k_ptrs, mask=in_range[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+        x = _scaled_scores(k, q, sm_scale, IEEE)  # [BLOCK_N, BLOCK_M]
+        if WEIGHT_MODE:
+            x = tl.exp(x - row_lse[None, :])
+        visible = (slots[:, None] <= pos[None, :]) & row_ok[None, :]
+        if MASKED:
+            visible = visible & in_range[:, None]
+        collected = tl.sum(tl.where(visible, x, 0.0) * weight[None, :], axis=1)
+        if MASKED:
+            tl.store(out_head + slots, collected, mask=in_range)
+        else:
+            tl.store(out_head + slots, collected)
+
+    @triton.jit
+    def _collect_kernel(
+        Q, K, POS, ROWW, LSE, OUT,
+        sq_b, sq_t, sq_h, sk_b, sk_h, sk_s, sp_b, sp_t, sw_b, sw_t, sl_b, sl_t, sl_h,
+        so_b, so_h, kv_len, sm_scale,
+        H_KV: tl.constexpr, G: tl.constexpr, T: tl.constexpr, D: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
+        WEIGHT_MODE: tl.constexpr, IEEE: tl.constexpr,
+    ):
+        bh = tl.program_id(0)
+        first = tl.program_id(1) * (TILES * BLOCK_N)
+        b = bh // H_KV
+        kvh = bh % H_KV
+        # This head's K rows: a 64-bit scalar base (a cache can pass 2**31 elements),
+        # 32-bit offsets within it.
+        k_head = K + (b.to(tl.int64) * sk_b + kvh.to(tl.int64) * sk_h)
+        out_head = OUT + b * so_b + kvh * so_h
+        rows = tl.arange(0, BLOCK_M)
+        row_ok = rows < G * T
+        trow = rows % T
+        # Slot arithmetic in 32 bits (int64 positions would widen every [M, N] compare).
+        pos = tl.load(POS + b * sp_b + trow * sp_t, mask=row_ok, other=-1).to(tl.int32)
+        total = tl.minimum(tl.max(pos, axis=0) + 1, kv_len)
+        # Tiles past this sequence's last position are skipped: no loads, no stores.
+        end = tl.maximum(tl.minimum(first + TILES * BLOCK_N, total), first)
+        full_end = first + (end - first) // BLOCK_N * BLOCK_N
+        if first < end:
+            head = kvh * G + rows // T
+            dims = tl.arange(0, D)
+            q = tl.load(Q + b * sq_b + trow[:, None] * sq_t + head[:, None] * sq_h
+                        + dims[None, :], mask=row_ok[:, None], other=0.0)
+            weight = tl.load(ROWW + b * sw_b + trow * sw_t, mask=row_ok, other=0.0)
+            row_lse = tl.zeros([BLOCK_M], tl.float32)
+            if WEIGHT_MODE:
+                row_lse = tl.load(LSE + b * sl_b + trow * sl_t + head * sl_h, mask=row_ok,
+                                  other=0.0)
+            for n0 in range(first, full_end, BLOCK_N):
+                _collect_tile(q, k_head, out_head, n0, end, pos, weight, row_lse, row_ok, sk_s,
+                              sm_scale, BLOCK_N, D, WEIGHT_MODE, IEEE, False)
+            for n0 in range(full_end, end, BLOCK_N):  # at most one partial tile
+                _collect_tile(q, k_head, out_head, n0, end, pos, weight, row_lse, row_ok, sk_s,
+                              sm_scale, BLOCK_N, D, WEIGHT_MODE, IEEE, True)
+
+
+def collect_scores(q, k, positions, row_weights, kv_len: int, lse=None, out=None):
+    """Row-weighted selection scores -> [B, H_kv, kv_len] float32 (``out`` when given).
+
+    q [B, T, H, D]; k [B, H_kv, >= kv_len, D] (last dim contiguous); positions,
+    row_weights [B, T]; kv_len: a static bound on the slots read; lse [B, T, H] float32
+    (weight mode) or None (logit mode); out: an optional float32 [B, H_kv, >= kv_len]
+    tensor (any strides but the last). Slots at or past each sequence's
+    ``min(kv_len, max(positions[b]) + 1)`` are left unwritten. Reads nothing back from
+    the device."""
+    b, t, h, d = q.shape
+    h_kv = k.shape[1]
+    g = h // h_kv
+    if out is None:
+        out = torch.empty(b, h_kv, kv_len, device=q.device, dtype=torch.float32)
+    elif (out.dtype != torch.float32 or tuple(out.shape[:2]) != (b, h_kv)
+          or out.shape[2] < kv_len or out.stride(2) != 1):
+        raise ValueError(f"out must be float32 [{b}, {h_kv}, >= {kv_len}] with a contiguous "
+                         f"last dim, got {out.dtype} {tuple(out.shape)} strides {out.stride()}")
+    weights = row_weights.float()
+    weight_mode = lse is not None
+    lse_arg = lse if weight_mode else weights  # unused placeholder pointer
+    lse_strides = lse.stride() if weight_mode else (0, 0, 0)
+    if kv_len == 0:  # an empty grid is not launched
+        return out
+    _collect_kernel[(b * h_kv, triton.cdiv(kv_len, COLLECT_TILES * BLOCK_N))](
+        q, k, positions, weights, lse_arg, out,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        positions.stride(0), positions.stride(1), weights.stride(0), weights.stride(1),
+        *lse_strides, out.stride(0), out.stride(1), kv_len, 1.0 / math.sqrt(d),
+        H_KV=h_kv, G=g, T=t, D=d, BLOCK_M=block_rows(g * t), BLOCK_N=BLOCK_N,
+        TILES=COLLECT_TILES, WEIGHT_MODE=weight_mode, IEEE=q.dtype == torch.float32,
+    )
+    return out
