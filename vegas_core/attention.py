@@ -14,6 +14,8 @@ The PyTorch reference below is the ground truth; faster kernels plug in behind
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import math
 import os
 from collections.abc import Callable
@@ -27,6 +29,7 @@ from vegas_core.cache import KVCache
 MODES = ("full", "verify", "draft")
 # Kernels serve decode and verify windows; longer blocks (prefill chunks) use the reference.
 MAX_KERNEL_ROWS = 16
+MIN_KERNEL_HEAD_DIM = 16  # tl.dot needs a reduction of at least 16
 # VEGAS_ATTENTION: "auto" (Triton kernels on CUDA when Triton imports), "reference", or
 # "triton" (also on the CPU through TRITON_INTERPRET=1, for tests).
 ATTENTION_ENV = "VEGAS_ATTENTION"
@@ -49,27 +52,46 @@ class DraftSelection(Protocol):
 
 
 class ScoreCollector:
-    """Keeps what a verify pass computed anyway: per-row attention scores, summed over
-    each KV head's query group, for the selection of the next draft's KV.
+    """Keeps what a verify pass computed anyway: attention scores for the selection of
+    the next draft's KV, summed over each KV head's query group.
 
-    logit[layer], weight[layer]: [B, H_kv, T, S], float32 (float64 for float64 inputs). ``logit`` sums pre-softmax
-    q.k/sqrt(d) (masked slots as 0); ``weight`` sums softmax probabilities.
+    On the reference path: logit[layer], weight[layer], [B, H_kv, T, S], float32
+    (float64 for float64 inputs). ``logit`` sums pre-softmax q.k/sqrt(d) (masked slots
+    as 0); ``weight`` sums softmax probabilities.
+
+    On the kernel path the scores arrive already summed over the collected rows:
+    ``reduced[layer]`` [B, H_kv, S]. When the rows that count are known before the pass
+    (``row_weights`` [B, T], logit mode) the verify kernel sums them on the fly (fused);
+    otherwise (weight mode, the last accepted row) a ``deferrable`` collector keeps each
+    layer's queries and log-sum-exp, and ``reduce_deferred`` computes the scores once the
+    rows are known, reading K once more. ``scores_out`` [L, B, H_kv, S_max] is an
+    optional preallocated home for ``reduced`` (its slots past each sequence's last
+    position are left unwritten).
     """
 
     def __init__(self, modes: set[str], layers: set[int] | None = None,
-                 row_weights: torch.Tensor | None = None) -> None:
+                 row_weights: torch.Tensor | None = None, *, deferrable: bool = False,
+                 scores_out: torch.Tensor | None = None) -> None:
         self.modes = modes
         self.layers = layers
         self.logit: dict[int, torch.Tensor] = {}
         self.weight: dict[int, torch.Tensor] = {}
-        # When the rows that count are known before the pass ([B, T] weights), a kernel
-        # may hand over the row-summed logit scores instead: reduced[layer] [B, H_kv, S].
         self.row_weights = row_weights
+        self.scores_out = scores_out
         self.reduced: dict[int, torch.Tensor] = {}
+        self._deferrable = deferrable
+        # True once a CUDA graph captured this collector: its tensors are graph outputs.
+        self.static = False
+        # layer -> (q [B, T, H, D], k [B, H_kv, S, D], positions [B, T], lse [B, T, H], kv_len)
+        self.deferred: dict[int, tuple] = {}
 
     @property
     def fusable(self) -> bool:
         return self.modes == {"logit"} and self.row_weights is not None and self.layers is None
+
+    @property
+    def deferrable(self) -> bool:
+        return self._deferrable and len(self.modes) == 1 and self.layers is None
 
     def add(self, layer: int, scores: torch.Tensor, probs: torch.Tensor,
             mask: torch.Tensor) -> None:
@@ -80,6 +102,16 @@ class ScoreCollector:
             self.logit[layer] = scores.masked_fill(~mask, 0.0).sum(dim=2)
         if "weight" in self.modes:
             self.weight[layer] = probs.sum(dim=2)
+
+    def reduce_deferred(self, row_weights: torch.Tensor) -> None:
+        """Fill ``reduced`` for the deferred layers: row_weights [B, T] picks the rows."""
+        from kernels.collect_scores import collect_scores
+
+        weight_mode = self.modes == {"weight"}
+        for layer, (q, k, positions, lse, kv_len) in self.deferred.items():
+            out = self.scores_out[layer] if self.scores_out is not None else None
+            self.reduced[layer] = collect_scores(q, k, positions, row_weights, kv_len,
+                                                 lse if weight_mode else None, out=out)
 
 
 @dataclass
@@ -95,14 +127,14 @@ class SparseSelection:
     indices: torch.Tensor
     counts: torch.Tensor
     tail_start: torch.Tensor
-    _tail_floor: int | None = field(default=None, repr=False)
+    # A host-side lower bound of tail_start (0 is always safe), so that the key bound
+    # below needs no read from the device.
+    tail_floor: int = 0
 
     def max_keys(self, kv_len: int) -> int:
-        """A bound on any sequence's key count (selected + tail), for the kernel grid;
-        read from the device once per selection."""
-        if self._tail_floor is None:
-            self._tail_floor = int(self.tail_start.min())
-        return self.indices.shape[-1] + kv_len - self._tail_floor
+        """A static bound on any sequence's key count (selected + tail): it only caps
+        the kernel's split count; each program sizes its work from the device values."""
+        return self.indices.shape[-1] + kv_len - self.tail_floor
 
     def prefix_mask(self, layer: int, kv_len: int, q: torch.Tensor | None = None,
                     k: torch.Tensor | None = None, positions: torch.Tensor | None = None
@@ -205,40 +237,62 @@ def reference_attention(
 
 def attention_backend(device: torch.device | str) -> str:
     """What serves attention on ``device``: for profiles' provenance and ``doctor``."""
-    probe = torch.empty(0, device=device)
-    if _kernels_enabled(probe):
-        return "triton (decode, verify without scores, index-list drafts) + pytorch-reference"
-    return "pytorch-reference"
+    probe = torch.empty(0, device=torch.device(device))
+    if not kernels_enabled(probe):
+        return "pytorch-reference"
+    from vegas_core.graphs import graphs_enabled
+
+    graphs = " + CUDA graphs" if graphs_enabled(probe.device) else ""
+    return ("triton (decode, verify with fused or deferred vegas scores, index-list drafts)"
+            f"{graphs} + pytorch-reference (prefill, query-dependent drafts)")
 
 
-def _kernels_enabled(q: torch.Tensor) -> bool:
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def kernels_enabled(q: torch.Tensor) -> bool:
+    """Whether the Triton kernels serve tensors like ``q`` (see VEGAS_ATTENTION)."""
     choice = os.environ.get(ATTENTION_ENV, "auto")
     if choice == "reference":
         return False
     if choice == "auto" and not q.is_cuda:
         return False
-    import importlib.util
+    return _triton_installed()
 
-    return importlib.util.find_spec("triton") is not None
+
+def supported_head_dim(head_dim: int) -> bool:
+    """Head dims the kernels handle: a power of two of at least 16."""
+    return head_dim >= MIN_KERNEL_HEAD_DIM and head_dim & (head_dim - 1) == 0
+
+
+def kernels_serve(q: torch.Tensor, rows: int, sliding_window: int | None) -> bool:
+    """Whether the Triton kernels can serve forwards of ``rows`` query rows of this
+    shape and device (the condition for capturing decode steps in CUDA graphs)."""
+    if sliding_window is not None or rows > MAX_KERNEL_ROWS or not kernels_enabled(q):
+        return False
+    return supported_head_dim(q.shape[-1])
 
 
 def _kernel_attention(q, k, v, layer: int, meta: AttentionMeta) -> torch.Tensor | None:
     """The Triton path where it covers the request, else None."""
-    if meta.sliding_window is not None or not _kernels_enabled(q):
-        return None
-    from kernels.verify_attention import supported
-
-    if not supported(q):
+    if not kernels_serve(q, q.shape[1], meta.sliding_window):
         return None
     collector = meta.collector
-    if meta.mode in ("full", "verify") and q.shape[1] <= MAX_KERNEL_ROWS and (
-            collector is None or collector.fusable):
+    if meta.mode in ("full", "verify") and (
+            collector is None or collector.fusable or collector.deferrable):
         from kernels.verify_attention import verify_attention
 
-        weights = collector.row_weights if collector is not None else None
-        out, _, scores = verify_attention(q, k, v, meta.positions, meta.kv_len, weights)
-        if collector is not None:
+        fuse = collector is not None and collector.fusable
+        weights = collector.row_weights if fuse else None
+        into = collector.scores_out[layer] if fuse and collector.scores_out is not None else None
+        out, lse, scores = verify_attention(q, k, v, meta.positions, meta.kv_len, weights,
+                                            scores_out=into)
+        if fuse:
             collector.reduced[layer] = scores
+        elif collector is not None:
+            collector.deferred[layer] = (q, k, meta.positions, lse, meta.kv_len)
         return out
     if meta.mode == "draft" and isinstance(meta.sparse, SparseSelection) and q.shape[1] == 1:
         from kernels.sparse_attention import sparse_attention
@@ -251,13 +305,17 @@ def _kernel_attention(q, k, v, layer: int, meta: AttentionMeta) -> torch.Tensor 
 
 def attend(q: torch.Tensor, cache: KVCache, layer: int, meta: AttentionMeta) -> torch.Tensor:
     """Attention of q ([B, T, H, D]) over ``layer``'s cache as ``meta`` allows: the
-    Triton kernels for decode and verify rows (with fused logit scores when the rows are
-    known in advance) and index-list drafts when enabled, else the reference (weight
-    scores, the ``last`` row and query-dependent selections stay on it for now)."""
+    Triton kernels for decode and verify rows (selection scores fused or deferred, see
+    ``ScoreCollector``) and index-list drafts when enabled, else the reference (prefill
+    chunks, query-dependent selections, collectors of the peer drafters)."""
     k, v = cache.layer(layer, meta.kv_len)
     out = _kernel_attention(q, k, v, layer, meta)
     if out is not None:
         return out
+    if q.is_cuda and torch.cuda.is_current_stream_capturing():
+        # The reference would run over the whole static cache on every replay.
+        raise RuntimeError(f"{meta.mode} attention at layer {layer} is not served by the "
+                           "kernels and cannot be captured in a CUDA graph")
     collector = meta.collector
     on_scores = None
     if collector is not None:

@@ -9,9 +9,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from vegas_core.attention import AttentionMeta
+from vegas_core.attention import AttentionMeta, kernels_serve
 from vegas_core.cache import KVCache
 from vegas_core.errors import VegasError
+from vegas_core.graphs import StaticForward, workspace
 from vegas_core.loading import LoadedModel
 from vegas_core.sampling import SamplingParams, choose_tokens
 
@@ -176,6 +177,28 @@ def prefill(model: LoadedModel, prompt_ids: list[list[int]], cache: KVCache, *,
     return last_hidden
 
 
+def _decode_setup(model: LoadedModel, batch: int, capacity: int):
+    """-> (cache, step): step(tokens [B, 1], positions [B, 1], kv_len) -> last-row logits
+    [B, V]. Where the kernels serve the step it runs on static buffers (a CUDA graph on
+    a GPU) kept in the model's workspace; else eagerly with the host's key bound."""
+    net, dev, window = model.net, model.device, model.config.sliding_window
+    probe = torch.empty(0, model.config.num_heads, model.config.head_dim, device=dev)
+    space = workspace(net, batch, capacity, dev) if kernels_serve(probe, 1, window) else None
+    if space is not None:
+        cache = space.cache
+        forward = space.get(("vanilla",), lambda: StaticForward(
+            net, cache, batch, 1, lambda pos: AttentionMeta.full(pos, cache.max_len),
+            all_rows=False, device=dev, pool=space.pool))
+        return cache, lambda tokens, positions, kv_len: forward(tokens, positions)
+    cache = net.new_cache(batch, capacity)
+
+    def eager(tokens, positions, kv_len):
+        hidden = net(tokens, positions, cache, AttentionMeta.full(positions, kv_len, window))
+        return net.logits(hidden[:, -1])
+
+    return cache, eager
+
+
 def generate(
     model: LoadedModel,
     prompts: Sequence[str] | Sequence[Sequence[int]],
@@ -212,7 +235,7 @@ def generate(
     check_lengths(model, prompt_ids, max_new_tokens)
     dev, net = model.device, model.net
     b = len(prompt_ids)
-    cache = net.new_cache(b, max(len(p) for p in prompt_ids) + max_new_tokens)
+    cache, step = _decode_setup(model, b, max(len(p) for p in prompt_ids) + max_new_tokens)
     generator = torch.Generator(device=dev).manual_seed(seed)
     eos = set() if ignore_eos or model.tokenizer is None else set(model.tokenizer.eos_token_ids)
 
@@ -229,23 +252,20 @@ def generate(
     done = [False] * b
     host_len = max(len(p) for p in prompt_ids)  # longest sequence, for the key bound
     decode_tokens = 0
-    window = model.config.sliding_window
     with torch.inference_mode():
-        for step in range(max_new_tokens):
-            for i, tok in enumerate(next_tokens.tolist()):
-                if not done[i]:
-                    out[i].append(tok)
-                    done[i] = tok in eos or len(out[i]) == max_new_tokens
+        for i in range(max_new_tokens):
+            for j, tok in enumerate(next_tokens.tolist()):  # the one sync per step
+                if not done[j]:
+                    out[j].append(tok)
+                    done[j] = tok in eos or len(out[j]) == max_new_tokens
             if progress:
-                progress("decode", step + 1, max_new_tokens)
+                progress("decode", i + 1, max_new_tokens)
             if all(done):
                 break
-            positions = cache.lengths[:, None]  # [B, 1]
             host_len += 1
-            hidden = net(next_tokens[:, None], positions, cache,
-                         AttentionMeta.full(positions, host_len, window))
+            logits = step(next_tokens[:, None], cache.lengths[:, None], host_len)
             cache.lengths += 1
-            next_tokens = choose_tokens(net.logits(hidden[:, -1]), params, generator)
+            next_tokens = choose_tokens(logits, params, generator)
             decode_tokens += sum(not d for d in done)
     _sync(dev)
     t2 = time.perf_counter()

@@ -2,18 +2,20 @@
 
 One forward for every mode: ``forward(tokens, positions, cache, meta)`` writes the new
 tokens' K/V into the cache at their positions and attends as ``meta`` says. Parameter
-names follow the Hugging Face layout so checkpoints load without renaming.
+names follow the Hugging Face layout, except that q/k/v and gate/up projections are
+packed into one matrix each (``PACKED_PROJECTIONS`` says where a checkpoint's pieces go).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vegas_core.attention import AttentionMeta, attend
+from vegas_core.attention import AttentionMeta, attend, kernels_enabled, supported_head_dim
 from vegas_core.cache import KVCache
 from vegas_core.config import ModelConfig
 
@@ -24,10 +26,37 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, *,
+                fused: bool = False):
+        """-> norm(x); with ``residual``: (norm(h), h) for h = x + residual, the sum the
+        next block adds to (one kernel on the fused path)."""
+        if fused:
+            from kernels.layer_ops import rms_norm
+
+            return rms_norm(x, self.weight, self.eps, residual)
+        if residual is None:
+            return self._norm(x)
+        h = x + residual
+        return self._norm(h), h
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
+
+
+@dataclass
+class Rope:
+    """What the layers need for rotary embeddings: the tables [B, T, 1, D] on the
+    PyTorch path; on the fused path the kernel computes them from positions."""
+
+    inv_freq: torch.Tensor
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
+
+    @property
+    def fused(self) -> bool:
+        return self.cos is None
 
 
 def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
@@ -60,6 +89,20 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def packed_projections(config: ModelConfig) -> dict[str, tuple[str, int, int]]:
+    """Checkpoint module name -> (packed module, first row, end row) within a layer."""
+    q = config.num_heads * config.head_dim
+    kv = config.num_kv_heads * config.head_dim
+    f = config.intermediate_size
+    return {
+        "self_attn.q_proj": ("self_attn.qkv_proj", 0, q),
+        "self_attn.k_proj": ("self_attn.qkv_proj", q, q + kv),
+        "self_attn.v_proj": ("self_attn.qkv_proj", q + kv, q + 2 * kv),
+        "mlp.gate_proj": ("mlp.gate_up_proj", 0, f),
+        "mlp.up_proj": ("mlp.gate_up_proj", f, 2 * f),
+    }
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -67,9 +110,10 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = hd = config.head_dim
         d = config.hidden_size
-        self.q_proj = nn.Linear(d, config.num_heads * hd, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(d, config.num_kv_heads * hd, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(d, config.num_kv_heads * hd, bias=config.qkv_bias)
+        # q, k and v in one GEMM (checkpoints' q_proj/k_proj/v_proj fill its row blocks):
+        # one weight read and one launch per layer instead of three.
+        self.qkv_proj = nn.Linear(d, (config.num_heads + 2 * config.num_kv_heads) * hd,
+                                  bias=config.qkv_bias)
         self.o_proj = nn.Linear(config.num_heads * hd, d, bias=config.o_bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(hd, config.rms_norm_eps)
@@ -77,16 +121,26 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x, cos, sin, cache: KVCache, meta: AttentionMeta) -> torch.Tensor:
+    def forward(self, x, rope: Rope, cache: KVCache, meta: AttentionMeta) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)  # q: [B, T, H, D]
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)  # k: [B, T, H_kv, D]
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        cache.write(self.layer, meta.positions, k, v)
+        h, h_kv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x).view(b, t, h + 2 * h_kv, d)
+        q, k, v = qkv[:, :, :h], qkv[:, :, h:h + h_kv], qkv[:, :, h + h_kv:]  # q: [B, T, H, D]
+        if rope.fused:
+            # q/k norm, rotation and the cache write in one kernel.
+            from kernels.layer_ops import rope_and_store
+
+            norms = (None, None) if self.q_norm is None else (self.q_norm.weight,
+                                                              self.k_norm.weight)
+            eps = self.q_norm.eps if self.q_norm is not None else 0.0
+            q = rope_and_store(q, k, v, meta.positions, rope.inv_freq, cache.k, cache.v,
+                               self.layer, *norms, eps=eps)
+        else:
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q = q * rope.cos + rotate_half(q) * rope.sin
+            k = k * rope.cos + rotate_half(k) * rope.sin
+            cache.write(self.layer, meta.positions, k, v)
         out = attend(q, cache, self.layer, meta)  # [B, T, H, D]
         return self.o_proj(out.reshape(b, t, -1))
 
@@ -95,12 +149,17 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         d, f = config.hidden_size, config.intermediate_size
-        self.gate_proj = nn.Linear(d, f, bias=False)
-        self.up_proj = nn.Linear(d, f, bias=False)
+        # gate and up in one GEMM, like qkv_proj: rows [0, f) gate, [f, 2f) up.
+        self.gate_up_proj = nn.Linear(d, 2 * f, bias=False)
         self.down_proj = nn.Linear(f, d, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, *, fused: bool = False) -> torch.Tensor:
+        if fused:
+            from kernels.layer_ops import silu_mul
+
+            return self.down_proj(silu_mul(self.gate_up_proj(x)))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -111,9 +170,18 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, cache: KVCache, meta: AttentionMeta) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual: torch.Tensor | None, rope: Rope, cache: KVCache,
+                meta: AttentionMeta) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (this block's MLP output, the residual stream before it): the caller's
+        next norm adds them, so each residual add shares a kernel with a norm."""
+        fused = rope.fused
+        if residual is None:
+            normed, residual = self.input_layernorm(x, fused=fused), x
+        else:
+            normed, residual = self.input_layernorm(x, residual, fused=fused)
+        attended = self.self_attn(normed, rope, cache, meta)
+        normed, residual = self.post_attention_layernorm(attended, residual, fused=fused)
+        return self.mlp(normed, fused=fused), residual
 
 
 class Transformer(nn.Module):
@@ -147,12 +215,21 @@ class Transformer(nn.Module):
         needs only one row per sequence.
         """
         x = self.embed_tokens(tokens)
-        freqs = positions[..., None].float() * self.inv_freq  # [B, T, D/2]
-        angles = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]  # [B, T, 1, D]
-        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        if self._fused_layers(x):
+            rope = Rope(self.inv_freq)
+        else:
+            freqs = positions[..., None].float() * self.inv_freq  # [B, T, D/2]
+            angles = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]  # [B, T, 1, D]
+            rope = Rope(self.inv_freq, angles.cos().to(x.dtype), angles.sin().to(x.dtype))
+        residual = None
         for block in self.layers:
-            x = block(x, cos, sin, cache, meta)
-        return self.norm(x)
+            x, residual = block(x, residual, rope, cache, meta)
+        return self.norm(x, residual, fused=rope.fused)[0]
+
+    def _fused_layers(self, x: torch.Tensor) -> bool:
+        """Fused Triton norms, rotary + cache write and SiLU-mul wherever the Triton
+        kernels are enabled (see VEGAS_ATTENTION): on a GPU by default."""
+        return kernels_enabled(x) and supported_head_dim(self.config.head_dim)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> float32 logits [..., vocab]."""

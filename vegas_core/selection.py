@@ -53,24 +53,38 @@ class SelectionInputs:
     budget: torch.Tensor
     iteration: int
     num_layers: int
+    # max(prefix_len) known on the host (the loop tracks lengths there), so that sizes
+    # need no read from the device; None reads it.
+    prefix_max: int | None = None
+
+    def longest_prefix(self) -> int:
+        return int(self.prefix_len.max()) if self.prefix_max is None else self.prefix_max
+
+    def largest_budget(self, sparsity: float, min_tokens: int) -> int:
+        """max(budget) from the host-side prefix bound: the budget grows with the prefix."""
+        n = self.longest_prefix()
+        return min(max(min_tokens, math.ceil(n * sparsity)), n)
 
 
-def _topk_selection(scores: torch.Tensor, prefix_len: torch.Tensor, budget: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+def _topk_selection(scores: torch.Tensor, prefix_len: torch.Tensor, budget: torch.Tensor,
+                    k_max: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """scores [L, B, G, S] -> (indices [L, B, G, K], counts [L, B]) of the top budget[b]
-    prefix slots (slots >= prefix_len[b] never chosen)."""
+    prefix slots (slots >= prefix_len[b] never chosen). ``k_max`` >= max(budget), known
+    on the host, avoids reading the budget back from the device."""
     l, b, g, s = scores.shape
     slots = torch.arange(s, device=scores.device)
     scores = scores.masked_fill(slots >= prefix_len[None, :, None, None], float("-inf"))
-    k = max(int(budget.max()), 1)
+    k = max(int(budget.max()) if k_max is None else k_max, 1)
     indices = torch.topk(scores, min(k, s), dim=-1).indices
     return indices, budget[None].expand(l, b).clone()
 
 
-def streaming_slots(prefix_len: torch.Tensor, reserved: torch.Tensor) -> torch.Tensor:
-    """Boolean [B, S_max]: up to 16 sink slots, then the most recent prefix slots, so
-    that ``reserved[b]`` slots are marked (all of the prefix if it is shorter)."""
-    s = max(int(prefix_len.max()), 1)
+def streaming_slots(prefix_len: torch.Tensor, reserved: torch.Tensor,
+                    span: int | None = None) -> torch.Tensor:
+    """Boolean [B, span]: up to 16 sink slots, then the most recent prefix slots, so
+    that ``reserved[b]`` slots are marked (all of the prefix if it is shorter).
+    ``span`` >= max(prefix_len) (default: read from the device)."""
+    s = max(int(prefix_len.max()) if span is None else span, 1)
     slots = torch.arange(s, device=prefix_len.device)[None]
     sinks = torch.clamp(reserved, max=STREAMING_SINKS)[:, None]
     recent_start = (prefix_len - (reserved - sinks.squeeze(1)))[:, None]
@@ -82,9 +96,7 @@ def _reserve_window(scores: torch.Tensor, prefix_len: torch.Tensor, budget: torc
     """Give the window's sink and recent slots +inf scores, so top-k keeps them and fills
     the rest of the budget by score."""
     reserved = torch.floor(budget.double() * window).long()
-    keep = streaming_slots(prefix_len, reserved)  # [B, S']
-    s = scores.shape[-1]
-    keep = torch.nn.functional.pad(keep, (0, max(0, s - keep.shape[1])))[:, :s]
+    keep = streaming_slots(prefix_len, reserved, scores.shape[-1])  # [B, S]
     return scores.masked_fill(keep[None, :, None, :], float("inf"))
 
 
@@ -136,6 +148,19 @@ class Drafter:
         known before the pass (a kernel then sums them on the fly); None otherwise."""
         return None
 
+    # Whether ``select`` reads ``ScoreCollector.reduced`` (row-summed scores, the kernel
+    # path); drafters that read per-row scores keep their collectors on the reference.
+    reads_reduced_scores = False
+
+    def deferred_row_weights(self, window_rows: int, last_row: torch.Tensor) -> torch.Tensor:
+        """[B, T] weights of the rows whose scores count, once acceptance is known."""
+        raise NotImplementedError
+
+    def needs_scores(self, iteration: int) -> bool:
+        """Whether the verify pass of ``iteration`` (0: the prefill window) must collect
+        scores: drafters that keep a selection skip the work in between."""
+        return bool(self.collect_modes)
+
 
 class DenseDrafter(Drafter):
     """Full attention in the draft: every greedy draft is accepted."""
@@ -147,9 +172,14 @@ class DenseDrafter(Drafter):
 class VegasDrafter(Drafter):
     """Top-k of the verify pass's own scores (Collect-2-Query by default)."""
 
+    reads_reduced_scores = True
+
     def __init__(self, spec: SpecConfig, num_layers: int) -> None:
         super().__init__(spec, num_layers)
         self.collect_modes = {spec.score}
+
+    def deferred_row_weights(self, window_rows: int, last_row: torch.Tensor) -> torch.Tensor:
+        return collected_rows(self.spec.collect, window_rows, last_row)
 
     def fused_row_weights(self, window_rows: int, batch: int, device) -> torch.Tensor | None:
         # Logit scores of the first/last or all rows: known before the pass.
@@ -160,8 +190,13 @@ class VegasDrafter(Drafter):
 
     def select(self, inputs: SelectionInputs) -> SparseSelection:
         c = inputs.collector
+        # Only prefix slots are candidates: the kernels' score rows may run longer.
+        span = max(inputs.longest_prefix(), 1)
         if len(c.reduced) == self.num_layers:
-            scores = torch.stack([c.reduced[i] for i in range(self.num_layers)])  # [L, B, H_kv, S]
+            if c.scores_out is not None:
+                scores = c.scores_out[..., :span]  # [L, B, H_kv, S], no copy
+            else:
+                scores = torch.stack([c.reduced[i][..., :span] for i in range(self.num_layers)])
             if self.spec.granularity == "layer":
                 scores = scores.sum(dim=2, keepdim=True)
         else:
@@ -170,7 +205,8 @@ class VegasDrafter(Drafter):
                                   self.num_layers)
         if self.spec.window > 0:
             scores = _reserve_window(scores, inputs.prefix_len, inputs.budget, self.spec.window)
-        indices, counts = _topk_selection(scores, inputs.prefix_len, inputs.budget)
+        k_max = inputs.largest_budget(self.spec.sparsity, self.spec.min_tokens)
+        indices, counts = _topk_selection(scores, inputs.prefix_len, inputs.budget, k_max)
         return SparseSelection(indices, counts, inputs.prefix_len.clone())
 
 
@@ -179,10 +215,15 @@ class StreamingDrafter(Drafter):
     rebuilt at every iteration."""
 
     def select(self, inputs: SelectionInputs) -> SparseSelection:
-        keep = streaming_slots(inputs.prefix_len, inputs.budget).float()  # [B, S]
-        scores = keep[None, :, None, :].expand(self.num_layers, -1, 1, -1)
-        indices, counts = _topk_selection(scores, inputs.prefix_len, inputs.budget)
-        return SparseSelection(indices, counts, inputs.prefix_len.clone())
+        span = max(inputs.longest_prefix(), 1)
+        keep = streaming_slots(inputs.prefix_len, inputs.budget, span).float()  # [B, S]
+        # Every layer keeps the same slots: select once, share the indices.
+        k_max = inputs.largest_budget(self.spec.sparsity, self.spec.min_tokens)
+        indices, counts = _topk_selection(keep[None, :, None, :], inputs.prefix_len,
+                                          inputs.budget, k_max)
+        l = self.num_layers
+        return SparseSelection(indices.expand(l, -1, -1, -1), counts.expand(l, -1),
+                               inputs.prefix_len.clone())
 
 
 class SnapKVDrafter(Drafter):
@@ -196,6 +237,9 @@ class SnapKVDrafter(Drafter):
     def __init__(self, spec: SpecConfig, num_layers: int) -> None:
         super().__init__(spec, num_layers)
         self.fixed: SparseSelection | None = None
+
+    def needs_scores(self, iteration: int) -> bool:
+        return iteration == 0
 
     def select(self, inputs: SelectionInputs) -> SparseSelection:
         if self.fixed is None:
@@ -221,6 +265,9 @@ class SpecExtendDrafter(Drafter):
         super().__init__(spec, num_layers)
         self.collect_layers = {num_layers - 1}
         self.current: SparseSelection | None = None
+
+    def needs_scores(self, iteration: int) -> bool:
+        return iteration % SPECEXTEND_REFRESH == 0
 
     def select(self, inputs: SelectionInputs) -> SparseSelection:
         if self.current is not None and inputs.iteration % SPECEXTEND_REFRESH:

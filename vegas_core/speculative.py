@@ -17,14 +17,16 @@ pending token (accepted, not yet in the cache). An iteration
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from vegas_core.attention import AttentionMeta, ScoreCollector
+from vegas_core.attention import AttentionMeta, ScoreCollector, SparseSelection, kernels_serve
 from vegas_core.generation import (GenerationResult, GenerationStats, PrefixCache, ProgressFn,
                                    _sync, check_lengths, encode_prompts, prefill)
+from vegas_core.graphs import StaticForward, StepGraph, Workspace, static_steps, workspace
 from vegas_core.loading import LoadedModel
 from vegas_core.sampling import SamplingParams, choose_tokens, probabilities
 from vegas_core.selection import SelectionInputs, draft_budget, make_drafter
@@ -51,91 +53,268 @@ class SpeculativeStats(GenerationStats):
         return self.selection_seconds / self.decode_seconds if self.decode_seconds > 0 else 0.0
 
 
+class _PhaseClock:
+    """Per-phase decode times without host synchronisation: CUDA events recorded
+    between phases, read after the iteration's one sync; wall-clock time on the CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list[tuple[str, object]] = []
+
+    def mark(self, phase: str) -> None:
+        """Start ``phase`` (the previous one ends here); "" ends the last."""
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append((phase, event))
+        else:
+            self.marks.append((phase, time.perf_counter()))
+
+    def collect(self, totals: dict[str, float]) -> None:
+        """Add each finished phase's seconds to ``totals`` (after a sync on CUDA)."""
+        for (phase, start), (_, end) in zip(self.marks, self.marks[1:]):
+            if phase:
+                totals[phase] += (start.elapsed_time(end) / 1000 if self.cuda else end - start)
+        self.marks.clear()
+
+
 class SpeculativeSession:
-    """A batch being decoded speculatively; ``step`` runs one iteration."""
+    """A batch being decoded speculatively; ``step`` runs one iteration.
+
+    Lengths are tracked on the host too (each iteration ends with one device-to-host
+    copy of its tokens), so nothing inside an iteration reads the device. Where the
+    kernels serve every forward, the draft and verify forwards run on static buffers,
+    captured in CUDA graphs on a GPU (see ``vegas_core.graphs``).
+    """
 
     def __init__(self, model: LoadedModel, prompt_ids: list[list[int]], spec: SpecConfig,
                  params: SamplingParams, max_new_tokens: int, *, prefill_chunk: int,
                  progress: ProgressFn | None = None,
                  prefix_cache: PrefixCache | None = None) -> None:
+        longest = max(len(p) for p in prompt_ids)
+        # Room for a full iteration past the last token, and for one more: a sequence that
+        # finished keeps its length but its slots are still written by the batch's steps.
+        capacity = longest + max_new_tokens + 2 * (spec.gamma + 1)
+        c = model.config
+        probe = torch.empty(0, c.num_heads, c.head_dim, device=model.device)
+        space = None
+        if kernels_serve(probe, spec.gamma + 1, c.sliding_window):
+            space = workspace(model.net, len(prompt_ids), capacity, model.device)
+        cache = space.cache if space is not None else model.net.new_cache(len(prompt_ids),
+                                                                          capacity)
+        self._init(model, cache, spec, params, [len(p) for p in prompt_ids], space)
+        self._prefill(prompt_ids, prefill_chunk, progress, prefix_cache)
+
+    @classmethod
+    @torch.inference_mode()
+    def from_cache(cls, model: LoadedModel, cache, window_tokens: torch.Tensor,
+                   spec: SpecConfig, params: SamplingParams) -> "SpeculativeSession":
+        """Continue from a cache that already holds slots [0, cache.lengths[b]) of each
+        sequence; ``window_tokens`` [B, W] are each sequence's last W tokens, run again
+        as the window whose scores make the first selection. For benchmarks that fill
+        a long cache without a prefill; leave room for the iterations to come."""
+        self = cls.__new__(cls)
+        space = None
+        if static_steps(model.device):  # the caller's cache, in a workspace of its own
+            space = Workspace.around(cache, model.device)
+        self._init(model, cache, spec, params, cache.lengths.tolist(), space)
+        w = window_tokens.shape[1]
+        self._open_window(window_tokens.to(self.dev), cache.lengths - w)
+        return self
+
+    def _init(self, model: LoadedModel, cache, spec: SpecConfig, params: SamplingParams,
+              lengths: list[int], space: Workspace | None) -> None:
         self.model, self.spec, self.params = model, spec, params
         self.net = model.net
         self.dev = model.device
         self.window = model.config.sliding_window
         self.drafter = make_drafter(spec, model.config.num_layers)
-        self.batch = len(prompt_ids)
+        self.batch = len(lengths)
         self.generator = torch.Generator(device=self.dev).manual_seed(params.seed)
-        longest = max(len(p) for p in prompt_ids)
-        # Room for a full iteration past the last token, and for one more: a sequence that
-        # finished keeps its length but its slots are still written by the batch's steps.
-        self.cache = self.net.new_cache(self.batch, longest + max_new_tokens + 2 * (spec.gamma + 1))
+        self.cache = cache
         self.iteration = 0
         self.timers = {"draft": 0.0, "verify": 0.0, "selection": 0.0}
-        self._prefill(prompt_ids, prefill_chunk, progress, prefix_cache)
+        self._clock = _PhaseClock(self.dev)
+        self.host_lengths = list(lengths)
+        self._setup_static_steps(space)
 
-    def _collector(self, window_rows: int) -> ScoreCollector | None:
-        modes = self.drafter.collect_modes
-        if not modes:
+    def _setup_static_steps(self, space: Workspace | None) -> None:
+        c, dev = self.model.config, self.dev
+        probe = torch.empty(0, c.num_heads, c.head_dim, device=dev)
+        self.space = space if kernels_serve(probe, self.spec.gamma + 1, self.window) else None
+        self.static = self.space is not None
+        self._scores_out = None
+        if self.drafter.reads_reduced_scores and kernels_serve(probe, 1, self.window):
+            # The kernels write each layer's row-summed scores here: no stack, no copy.
+            shape = (c.num_layers, self.batch, c.num_kv_heads, self.cache.max_len)
+            make = lambda: torch.empty(shape, dtype=torch.float32, device=dev)  # noqa: E731
+            self._scores_out = self.space.get(("scores",), make) if self.static else make()
+        self._active_key: tuple[bool, ...] | None = None
+        self._staged_from: SparseSelection | None = None
+
+    def _collector(self, window_rows: int, iteration: int) -> ScoreCollector | None:
+        if not self.drafter.needs_scores(iteration):
             return None
         weights = self.drafter.fused_row_weights(window_rows, self.batch, self.dev)
-        return ScoreCollector(modes, self.drafter.collect_layers, weights)
+        return ScoreCollector(self.drafter.collect_modes, self.drafter.collect_layers, weights,
+                              deferrable=self.drafter.reads_reduced_scores,
+                              scores_out=self._scores_out)
 
     def _select(self, collector, window_rows: int, last_row: torch.Tensor,
-                prefix_len: torch.Tensor) -> None:
+                prefix_len: torch.Tensor, prefix_max: int) -> None:
         self.last_collector = collector
-        _sync(self.dev)
-        t = time.perf_counter()
+        if collector is not None and collector.deferred:
+            rows = self.drafter.deferred_row_weights(window_rows, last_row)
+            self._reduce(collector, rows)
         budget = draft_budget(prefix_len, self.spec.sparsity, self.spec.min_tokens)
         self.selection = self.drafter.select(SelectionInputs(
             collector, window_rows, last_row, prefix_len, budget, self.iteration,
-            self.model.config.num_layers))
-        _sync(self.dev)
-        self.timers["selection"] += time.perf_counter() - t
+            self.model.config.num_layers, prefix_max))
+
+    def _reduce(self, collector: ScoreCollector, rows: torch.Tensor) -> None:
+        """The deferred score pass; captured once per captured verify collector."""
+        if not (self.static and collector.static):
+            collector.reduce_deferred(rows)
+            return
+
+        def make():
+            buffer = torch.zeros_like(rows)
+            return StepGraph(lambda: collector.reduce_deferred(buffer), self.dev,
+                             self.space.pool), buffer
+
+        graph, buffer = self.space.get(("reduce", id(collector)), make)
+        buffer.copy_(rows)
+        graph()
 
     @torch.inference_mode()
     def _prefill(self, prompt_ids: list[list[int]], chunk: int, progress, prefix_cache) -> None:
         """Prefill all but the last W prompt tokens in chunks, then the last W as a
         verify-style window, whose scores make the first selection."""
-        lengths = torch.tensor([len(p) for p in prompt_ids], device=self.dev)
-        w = min(max(self.spec.gamma + 1, self.drafter.prefill_rows), int(lengths.min()))
+        w = min(max(self.spec.gamma + 1, self.drafter.prefill_rows), min(self.host_lengths))
         head = [p[: len(p) - w] for p in prompt_ids]
         if max(len(h) for h in head) > 0:
             prefill(self.model, head, self.cache, chunk=chunk, progress=progress,
                     reuse=prefix_cache, need_last_hidden=False)
-        start = lengths - w
-        positions = start[:, None] + torch.arange(w, device=self.dev)  # [B, W]
         tokens = torch.tensor([p[len(p) - w:] for p in prompt_ids], device=self.dev)
-        collector = self._collector(w)
-        hidden = self.net(tokens, positions, self.cache,
-                          AttentionMeta.verify(positions, int(lengths.max()), self.window,
-                                               collector))
-        self.cache.lengths.copy_(lengths)
-        self.pending = choose_tokens(self.net.logits(hidden[:, -1]), self.params, self.generator)
-        self._select(collector, w, torch.full_like(lengths, w - 1), start)
+        start = torch.tensor([n - w for n in self.host_lengths], device=self.dev)
+        self._open_window(tokens, start)
 
-    def _meta_draft(self, positions: torch.Tensor, kv_len: int) -> AttentionMeta:
-        if self.selection is None:
-            return AttentionMeta.full(positions, kv_len, self.window)
-        return AttentionMeta.draft(positions, kv_len, self.selection, self.window)
+    def _open_window(self, tokens: torch.Tensor, start: torch.Tensor) -> None:
+        """tokens [B, W] at positions start[b] .. start[b] + W - 1, the last W of each
+        sequence: one verify-style forward gives the pending token and the first
+        selection."""
+        w = tokens.shape[1]
+        positions = start[:, None] + torch.arange(w, device=self.dev)  # [B, W]
+        collector = self._collector(w, 0)
+        hidden = self.net(tokens, positions, self.cache,
+                          AttentionMeta.verify(positions, max(self.host_lengths), self.window,
+                                               collector))
+        self.cache.lengths.copy_(start + w)
+        self.pending = choose_tokens(self.net.logits(hidden[:, -1]), self.params, self.generator)
+        self._clock.mark("selection")
+        self._select(collector, w, torch.full_like(start, w - 1), start,
+                     max(self.host_lengths) - w)
+        self._clock.mark("")
+        _sync(self.dev)
+        self._clock.collect(self.timers)
+
+    # --- the three forwards of an iteration -------------------------------------------
+
+    def _draft_logits(self, tokens: torch.Tensor, positions: torch.Tensor,
+                      kv_len: int) -> torch.Tensor:
+        """One draft forward, [B, 1] -> logits [B, V]."""
+        sel = self.selection
+        if self.static and (sel is None or (isinstance(sel, SparseSelection)
+                                            and sel.indices.shape[-1] <= self._list_capacity())):
+            return self._static_draft(sel)(tokens, positions)
+        meta = (AttentionMeta.full(positions, kv_len, self.window) if sel is None
+                else AttentionMeta.draft(positions, kv_len, sel, self.window))
+        return self.net.logits(self.net(tokens, positions, self.cache, meta)[:, -1])
+
+    def _static_draft(self, sel: SparseSelection | None) -> StaticForward:
+        cap = self.cache.max_len
+        if sel is None:
+            return self.space.get(("draft-dense",), lambda: StaticForward(
+                self.net, self.cache, self.batch, 1, lambda pos: AttentionMeta.full(pos, cap),
+                all_rows=False, device=self.dev, pool=self.space.pool))
+        staged = self._stage(sel)
+        return self.space.get(("draft", id(staged)), lambda: StaticForward(
+            self.net, self.cache, self.batch, 1,
+            lambda pos: AttentionMeta.draft(pos, cap, staged),
+            all_rows=False, device=self.dev, pool=self.space.pool))
+
+    def _list_capacity(self) -> int:
+        """Index-list length of the static selection: the budget at full capacity.
+        Longer lists (SpecExtend's whole chunks under small budgets) run eagerly."""
+        cap = self.cache.max_len
+        return min(max(self.spec.min_tokens, math.ceil(self.spec.sparsity * cap)), cap)
+
+    def _stage(self, sel: SparseSelection) -> SparseSelection:
+        """Copy a selection into the static one a draft graph reads; its index list is as
+        long as the largest budget the cache's capacity allows."""
+        l, b, g, k = sel.indices.shape
+        k_cap = self._list_capacity()
+        staged = self.space.get(("selection", g, k_cap), lambda: SparseSelection(
+            torch.zeros(l, b, g, k_cap, dtype=torch.long, device=self.dev),
+            torch.zeros(l, b, dtype=torch.long, device=self.dev),
+            torch.zeros(b, dtype=torch.long, device=self.dev)))
+        if sel is not self._staged_from:  # a drafter may keep its selection
+            staged.indices[..., :k].copy_(sel.indices)
+            staged.counts.copy_(sel.counts)
+            staged.tail_start.copy_(sel.tail_start)
+            self._staged_from = sel
+        return staged
+
+    def _verify_logits(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int,
+                       collect: bool) -> tuple[torch.Tensor, ScoreCollector | None]:
+        """The verify forward, [B, T] -> (logits [B, T, V], the collector)."""
+        rows = tokens.shape[1]
+        collector = self._collector(rows, self.iteration) if collect else None
+        graphable = collector is None or collector.fusable or collector.deferrable
+        if not (self.static and graphable):
+            meta = AttentionMeta.verify(positions, kv_len, self.window, collector)
+            return self.net.logits(self.net(tokens, positions, self.cache, meta)), collector
+        key = ("verify", rows) + (() if collector is None else (
+            tuple(sorted(collector.modes)), collector.fusable, collector.deferrable,
+            self.spec.collect))
+
+        def make():
+            if collector is not None:
+                collector.static = True  # its tensors are the graph's outputs
+            cap = self.cache.max_len
+            forward = StaticForward(self.net, self.cache, self.batch, rows,
+                                    lambda pos: AttentionMeta.verify(pos, cap,
+                                                                     collector=collector),
+                                    all_rows=True, device=self.dev, pool=self.space.pool)
+            return forward, collector
+
+        forward, static_collector = self.space.get(key, make)
+        return forward(tokens, positions), static_collector
+
+    def _active_mask(self, active) -> tuple[torch.Tensor, list[bool]]:
+        """-> (device [B] bool, host list); the device copy is made only on change."""
+        host = [bool(a) for a in (active.tolist() if torch.is_tensor(active) else active)]
+        if tuple(host) != self._active_key:
+            self._active_key = tuple(host)
+            self._active = torch.tensor(host, device=self.dev)
+        return self._active, host
 
     @torch.inference_mode()
-    def step(self, active: torch.Tensor) -> list[list[int]]:
-        """One iteration. ``active`` [B] bool: finished sequences are computed but keep
-        their length. Returns the accepted tokens (drafts + bonus) per sequence."""
-        gamma, net, params = self.spec.gamma, self.net, self.params
+    def step(self, active) -> list[list[int]]:
+        """One iteration. ``active`` [B] bools (a list, or a tensor): finished sequences
+        are computed but keep their length. Returns the accepted tokens (drafts + bonus)
+        per sequence."""
+        gamma, params = self.spec.gamma, self.params
+        active, active_host = self._active_mask(active)
         n = self.cache.lengths.clone()
-        longest = int(n.max())
+        longest = max(self.host_lengths)
         self.iteration += 1
 
-        _sync(self.dev)
-        t0 = time.perf_counter()
+        self._clock.mark("draft")
         drafts, draft_probs = [], []
         current = self.pending
         for i in range(gamma):
-            positions = (n + i)[:, None]
-            hidden = net(current[:, None], positions, self.cache,
-                         self._meta_draft(positions, longest + i + 1))
-            logits = net.logits(hidden[:, -1])
+            logits = self._draft_logits(current[:, None], (n + i)[:, None], longest + i + 1)
             if params.greedy:
                 current = logits.argmax(-1)
             else:
@@ -144,28 +323,28 @@ class SpeculativeSession:
                 draft_probs.append(q)
             drafts.append(current)
         drafts_t = torch.stack(drafts, dim=1)  # [B, gamma]
-        _sync(self.dev)
-        t1 = time.perf_counter()
 
+        self._clock.mark("verify")
         tokens = torch.cat([self.pending[:, None], drafts_t], dim=1)  # [B, gamma + 1]
         positions = n[:, None] + torch.arange(gamma + 1, device=self.dev)
-        collector = self._collector(gamma + 1)
-        hidden = net(tokens, positions, self.cache,
-                     AttentionMeta.verify(positions, longest + gamma + 1, self.window, collector))
-        logits = net.logits(hidden)  # [B, gamma + 1, V]
+        logits, collector = self._verify_logits(tokens, positions, longest + gamma + 1,
+                                                self.drafter.needs_scores(self.iteration))
         accepted, bonus = self._accept(logits, drafts_t, draft_probs)
-        _sync(self.dev)
-        t2 = time.perf_counter()
-        self.timers["draft"] += t1 - t0
-        self.timers["verify"] += t2 - t1
 
+        self._clock.mark("selection")
         self.cache.lengths.copy_(torch.where(active, n + accepted + 1, n))
         self.pending = torch.where(active, bonus, self.pending)
-        self._select(collector, gamma + 1, accepted, n)
+        self._select(collector, gamma + 1, accepted, n, longest)
+        self._clock.mark("")
         self.last_accepted = accepted
+        # The iteration's one device-to-host copy: accepted counts, bonus and drafts.
+        host = torch.cat([accepted[:, None], bonus[:, None], drafts_t], dim=1).tolist()
+        self._clock.collect(self.timers)
         out = []
-        for b, (j, extra) in enumerate(zip(accepted.tolist(), bonus.tolist())):
-            out.append(drafts_t[b, :j].tolist() + [extra])
+        for b, (j, extra, *drafted) in enumerate(host):
+            out.append(drafted[:j] + [extra])
+            if active_host[b]:
+                self.host_lengths[b] += j + 1
         return out
 
     def _accept(self, logits: torch.Tensor, drafts: torch.Tensor,
@@ -231,14 +410,12 @@ def generate_speculative(model: LoadedModel, prompts, max_new_tokens: int, spec:
     accepted_per_position = torch.zeros(spec.gamma)
     rounds = 0
     while not all(done):
-        active = torch.tensor([not d for d in done], device=dev)
-        new = session.step(active)
-        accepted = session.last_accepted.cpu()
+        new = session.step([not d for d in done])
         for i in range(b):
             if done[i]:
                 continue
             rounds += 1
-            accepted_per_position += (torch.arange(spec.gamma) < accepted[i]).float()
+            accepted_per_position += (torch.arange(spec.gamma) < len(new[i]) - 1).float()
             take(i, new[i])
         if progress:
             progress("decode", min(len(o) for o in out), max_new_tokens)

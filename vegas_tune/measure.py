@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 
 from vegas_core import SpecConfig, generate
 from vegas_core.generation import PrefixCache
+from vegas_core.graphs import static_steps
 from vegas_core.loading import LoadedModel
 from vegas_tune.datasets import Prompt
 
@@ -69,6 +70,12 @@ class Measurer:
         seconds = sel = draft = verify = 0.0
         draft_steps = verify_steps = vanilla_steps = rounds = 0
         accepted = [0.0] * (spec.gamma if spec else 0)
+        if static_steps(self.model.device):
+            # Untimed: captures this configuration's CUDA graphs (kept for later calls),
+            # so that no measured run pays for a capture.
+            generate(self.model, next(iter(w.batches())), w.max_new_tokens, spec=spec,
+                     temperature=w.temperature, seed=w.seed, ignore_eos=True,
+                     prefix_cache=self.prefix_cache)
         for i, batch in enumerate(w.batches()):
             out = generate(self.model, batch, w.max_new_tokens, spec=spec,
                            temperature=w.temperature, seed=w.seed + i, ignore_eos=True,

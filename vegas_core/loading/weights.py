@@ -8,7 +8,7 @@ import torch
 
 from vegas_core.config import ModelConfig
 from vegas_core.errors import VegasError
-from vegas_core.model import Transformer, rope_inverse_frequencies
+from vegas_core.model import Transformer, packed_projections, rope_inverse_frequencies
 
 # Matches the initializer range of the public configs; only dummy models use it.
 DUMMY_INIT_STD = 0.02
@@ -41,14 +41,31 @@ def build_with_weights(
     """
     net = _empty_transformer(config, device, dtype)
     params = dict(net.named_parameters(remove_duplicate=False))
+    # Expected names: the model's own, with packed projections split back into the
+    # checkpoint's pieces, each a block of rows of its packed parameter.
+    packed = packed_projections(config)
+    wholes = {whole for whole, _, _ in packed.values()}
+    targets: dict[str, tuple[str, slice]] = {}
+    for pname, p in params.items():
+        parts = pname.split(".")  # layers.<i>.<block>.<module>.<weight|bias>
+        if parts[0] == "layers" and ".".join(parts[2:-1]) in wholes:
+            continue
+        targets[pname] = (pname, slice(0, p.shape[0]))
+    for i in range(config.num_layers):
+        for piece, (whole, start, end) in packed.items():
+            for suffix in ("weight", "bias"):
+                pname = f"layers.{i}.{whole}.{suffix}"
+                if pname in params:
+                    targets[f"layers.{i}.{piece}.{suffix}"] = (pname, slice(start, end))
     filled: set[str] = set()
     for name, tensor in tensors:
-        if name not in params:
+        if name not in targets:
             raise VegasError(
                 f"{source}: unexpected weight '{name}'; this checkpoint's architecture "
                 f"variant is not supported"
             )
-        target = params[name]
+        pname, rows = targets[name]
+        target = params[pname][rows]
         if tuple(target.shape) != tuple(tensor.shape):
             raise VegasError(
                 f"{source}: weight '{name}' has shape {tuple(tensor.shape)}, the config "
@@ -59,7 +76,7 @@ def build_with_weights(
         filled.add(name)
     if config.tie_word_embeddings:
         filled.add("lm_head.weight")
-    missing = sorted(set(params) - filled)
+    missing = sorted(set(targets) - filled)
     if missing:
         raise VegasError(
             f"{source}: {len(missing)} weights missing (first: '{missing[0]}'); the "

@@ -1,0 +1,500 @@
+"""End-to-end decode throughput of vanilla and self-speculative decoding, and greedy match.
+
+For each batch size, on the same long embedded prompts: vanilla greedy decoding, then
+each drafter (default vegas and streaming) at the same gamma and budget. Every
+(batch, method) gets an untimed warm-up generate (Triton compiles, cuBLAS picks its
+kernels) and then timed runs. A ``PrefixCache`` holds the prompts' K/V, so the long
+prefill (PyTorch reference attention) is computed once per prompt and every method
+starts from the same prompt K/V.
+
+Measured per (batch, method):
+
+- decode tokens/s of the timed run (``stats.tokens_per_second``, prefill excluded) and
+  its speedup over vanilla at the same batch, measured in the same process;
+- optionally (``--short-tokens N``) a steady-state figure that checks no per-call cost
+  is left in the decode time: the engine keeps each batch size's cache and captured
+  CUDA graphs across calls (``vegas_core.graphs.Workspace``), so the warm-up pays for
+  capture; a second, shorter timed run gives
+  (decode tokens long - short) / (decode seconds long - short);
+- speculative runs: mean accepted length, iterations and the draft, verify and
+  selection seconds (CUDA events), selection time / decode time.
+
+Greedy match: each speculative run's tokens against vanilla's at the same batch, per
+sequence (identical leading tokens; whole sequence identical). For every sequence, one
+forward over the prompt (from the prefix cache) and vanilla's tokens gives the top-2
+logit margin at each generated position; at a sequence's first divergence the report
+gives that margin, the speculative token's rank and logit gap under it, and where the
+margin falls among the sequence's margins. Claim checked: in bf16, divergences happen
+only at near-ties (the batched verify rows and the one-row decode round differently).
+
+Writes OUT.md (hardware, versions, command, tables) and OUT.json (raw rows, tokens
+included); both are rewritten after every batch, so a run cut short leaves its rows.
+
+    python bench/end_to_end.py --device cuda --dtype bfloat16 --out docs/results/end-to-end-h200
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.acceptance import hardware, write_atomic  # noqa: E402
+from vegas_core import SpecConfig, VegasError, generate, load_model  # noqa: E402
+from vegas_core.attention import AttentionMeta, attention_backend  # noqa: E402
+from vegas_core.generation import PrefixCache, prefill  # noqa: E402
+from vegas_core.spec_config import DRAFTERS  # noqa: E402
+from vegas_tune.datasets import EMBEDDED_DATASETS, embedded_prompts  # noqa: E402
+
+T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - T0:7.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+def fail(msg: str) -> None:
+    print(f"error: {msg}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def versions() -> dict:
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "not installed"
+    return dict(torch=torch.__version__, triton=triton_version,
+                python=sys.version.split()[0])
+
+
+def free_memory(device: torch.device) -> None:
+    """Sessions hold multi-GB caches and graph pools in reference cycles."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def prefill_progress(label: str):
+    """Prints the cold prefill's progress at most every 5 seconds."""
+    last = [time.perf_counter()]
+
+    def progress(phase: str, done: int, total: int) -> None:
+        now = time.perf_counter()
+        if phase == "prefill" and (now - last[0] > 5 or done == total) and total > 0:
+            last[0] = now
+            log(f"  {label} prefill {done}/{total} tokens")
+
+    return progress
+
+
+# --- throughput ------------------------------------------------------------------------
+
+
+def run_method(model, ids: list[list[int]], method: str, args, cache: PrefixCache,
+               batch: int) -> tuple[dict, list[list[int]]]:
+    spec = None if method == "vanilla" else SpecConfig(
+        drafter=method, gamma=args.gamma, sparsity=args.sparsity, min_tokens=args.min_tokens)
+    label = f"b={batch} {method}"
+
+    def gen(n: int, progress=None):
+        result = generate(model, ids, n, spec=spec, ignore_eos=True, prefix_cache=cache,
+                          progress=progress)
+        free_memory(model.device)
+        return result
+
+    t = time.perf_counter()
+    warm = gen(args.warmup_tokens, prefill_progress(label))
+    log(f"{label}: warm-up {time.perf_counter() - t:.1f}s "
+        f"(prefill {warm.stats.prefill_seconds:.2f}s, decode {warm.stats.decode_seconds:.2f}s)")
+    short = gen(args.short_tokens) if args.short_tokens else None
+    result = gen(args.max_new_tokens)
+    s = result.stats
+    row = dict(
+        batch=batch, method=method, max_new_tokens=args.max_new_tokens,
+        decode_tokens=s.decode_tokens, decode_seconds=s.decode_seconds,
+        tokens_per_second=s.tokens_per_second, prefill_seconds=s.prefill_seconds,
+        warmup_prefill_seconds=warm.stats.prefill_seconds,
+        warmup_decode_seconds=warm.stats.decode_seconds,
+        short_tokens=args.short_tokens or None, short_decode_tokens=None,
+        short_decode_seconds=None, steady_tokens_per_second=None,
+    )
+    if short is not None:
+        row.update(short_decode_tokens=short.stats.decode_tokens,
+                   short_decode_seconds=short.stats.decode_seconds,
+                   # Greedy runs repeat themselves: the short run's tokens lead the long one's.
+                   short_is_prefix=all(t[: len(u)] == u
+                                       for t, u in zip(result.tokens, short.tokens)))
+        dt = s.decode_seconds - short.stats.decode_seconds
+        dn = s.decode_tokens - short.stats.decode_tokens
+        if dt > 0 and dn > 0:
+            row["steady_tokens_per_second"] = dn / dt
+    if spec is not None:
+        row.update(
+            spec=spec.to_dict(), mean_accepted_length=s.mean_accepted_length,
+            acceptance_by_position=s.acceptance_by_position, iterations=s.iterations,
+            draft_seconds=s.draft_seconds, verify_seconds=s.verify_seconds,
+            selection_seconds=s.selection_seconds, selection_overhead=s.selection_overhead,
+        )
+        if short is not None:
+            row["short_mean_accepted_length"] = short.stats.mean_accepted_length
+    steady = row["steady_tokens_per_second"]
+    log(f"{label}: {rate(s.tokens_per_second)} tok/s over {s.decode_seconds:.3f}s"
+        + (f", steady {rate(steady)} tok/s" if steady else "")
+        + (f", mal {s.mean_accepted_length:.2f}" if spec is not None else ""))
+    return row, result.tokens
+
+
+# --- greedy match and margins ------------------------------------------------------------
+
+
+@torch.inference_mode()
+def vanilla_logits(model, prompt: list[int], generated: list[int],
+                   cache: PrefixCache) -> torch.Tensor:
+    """[len(generated), V] float32 logits that chose each generated token: the prompt's
+    last row (prefill, from the prefix cache) and one forward over generated[:-1]."""
+    net, dev = model.net, model.device
+    n, length = len(prompt), len(generated)
+    kv = net.new_cache(1, n + length)
+    rows = [net.logits(prefill(model, [prompt], kv, reuse=cache))]  # [1, V]
+    if length > 1:
+        tokens = torch.tensor([generated[:-1]], dtype=torch.long, device=dev)
+        positions = torch.arange(n, n + length - 1, device=dev)[None]  # [1, T]
+        hidden = net(tokens, positions, kv,
+                     AttentionMeta.full(positions, n + length - 1, model.config.sliding_window))
+        rows.append(net.logits(hidden[0]))
+    return torch.cat(rows)
+
+
+def margin_profile(model, prompt: list[int], generated: list[int], cache: PrefixCache) -> dict:
+    logits = vanilla_logits(model, prompt, generated, cache)
+    top = logits.topk(2, dim=-1)
+    margins = (top.values[:, 0] - top.values[:, 1]).tolist()
+    return dict(logits=logits, margins=margins, top1=top.indices[:, 0].tolist(),
+                top2=top.indices[:, 1].tolist())
+
+
+def leading_match(a: list[int], b: list[int]) -> int:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
+
+
+def analyse_matches(model, prompts, tokens: dict[str, list[list[int]]], batch: int,
+                    cache: PrefixCache, args) -> tuple[list[dict], list[dict]]:
+    """-> (one row per (method, sequence), one row per vanilla sequence's margins)."""
+    vanilla = tokens["vanilla"]
+    profiles: dict[int, dict] = {}
+
+    def profile(b: int) -> dict:
+        if b not in profiles:
+            profiles[b] = margin_profile(model, prompts[b].ids, vanilla[b], cache)
+        return profiles[b]
+
+    if args.margins == "all":
+        for b in range(len(prompts)):
+            profile(b)
+    rows = []
+    for method, outs in tokens.items():
+        if method == "vanilla":
+            continue
+        for b, (v, s) in enumerate(zip(vanilla, outs)):
+            lead = leading_match(v, s)
+            row = dict(batch=batch, method=method, sequence=b, prompt=prompts[b].name,
+                       tokens=len(v), leading_identical=lead,
+                       identical=v == s, divergence=None)
+            if lead < min(len(v), len(s)) and args.margins != "none":
+                p = profile(b)
+                i, vt, st = lead, v[lead], s[lead]
+                lg = p["logits"][i]
+                ms = p["margins"]
+                row["divergence"] = dict(
+                    position=i, vanilla_token=vt, spec_token=st,
+                    vanilla_text=model.tokenizer.decode([vt]) if model.tokenizer else None,
+                    spec_text=model.tokenizer.decode([st]) if model.tokenizer else None,
+                    top2_margin=ms[i],
+                    # Vanilla's token minus the speculative one, from the same logits.
+                    logit_gap=float(lg[vt] - lg[st]),
+                    spec_rank=int((lg > lg[st]).sum()) + 1,
+                    spec_is_second=p["top2"][i] == st,
+                    recomputed_top1_is_vanilla=p["top1"][i] == vt,
+                    margin_percentile=sum(m <= ms[i] for m in ms) / len(ms),
+                    median_margin=statistics.median(ms),
+                )
+            elif lead < min(len(v), len(s)):
+                row["divergence"] = dict(position=lead, vanilla_token=v[lead],
+                                         spec_token=s[lead])
+            rows.append(row)
+            d = row["divergence"]
+            log(f"b={batch} {method} seq {b}: {lead}/{len(v)} identical"
+                + (f"; diverges at {d['position']}, margin {d['top2_margin']:.3f}, "
+                   f"spec token rank {d['spec_rank']}" if d and "top2_margin" in d else ""))
+    margins = [dict(batch=batch, sequence=b, prompt=prompts[b].name,
+                    top2_margins=[round(m, 4) for m in p["margins"]],
+                    median_margin=statistics.median(p["margins"]),
+                    near_tie_share=sum(m <= args.tie_margin for m in p["margins"])
+                    / len(p["margins"]))
+               for b, p in sorted(profiles.items())]
+    profiles.clear()
+    free_memory(model.device)
+    return rows, margins
+
+
+# --- report ----------------------------------------------------------------------------
+
+
+def fmt(x, spec: str = ".2f", empty: str = "-") -> str:
+    return empty if x is None else format(x, spec)
+
+
+def cell(text: str | None) -> str:
+    """A token's text, quoted, safe inside a Markdown table cell."""
+    return "" if text is None else json.dumps(text).replace("|", "\\|")
+
+
+def rate(x: float | None) -> str:
+    """Tokens per second: whole numbers on a GPU, two decimals for CPU smoke runs."""
+    return "-" if x is None else f"{x:,.0f}" if x >= 100 else f"{x:.2f}"
+
+
+def summarize(data: dict) -> str:
+    meta, a = data["meta"], data["meta"]["args"]
+    runs, matches, margins = data["runs"], data["matches"], data["margins"]
+    by_key = {(r["batch"], r["method"]): r for r in runs}
+    lines = [
+        "# End-to-end decode: vanilla vs self-speculative",
+        "",
+        f"- Model: {a['model']} ({a['dtype']}), greedy, ignore_eos; dataset {a['dataset']}, "
+        f"ctx {a['ctx']} prompt tokens, {a['max_new_tokens']} new tokens, batch sizes "
+        f"{', '.join(map(str, a['batch']))}.",
+        f"- Speculative: gamma = {a['gamma']}, sparsity {a['sparsity']}, min_tokens "
+        f"{a['min_tokens']} (budget max(min_tokens, ceil(sparsity x prefix))); drafters "
+        f"{', '.join(a['drafters'])}.",
+        f"- Hardware: {meta['hardware']}; torch {meta['versions']['torch']}, triton "
+        f"{meta['versions']['triton']}; attention: {meta['attention_backend']}.",
+        f"- Date: {meta['date']}; run time {meta.get('seconds', 0) / 60:.1f} min"
+        + ("" if meta.get("complete") else " (INCOMPLETE: rows so far)") + ".",
+        f"- Command: `{meta['command']}`",
+        f"- Each (batch, method): one untimed warm-up of {a['warmup_tokens']} new tokens, then "
+        "timed runs on the same prompts. The prompts' K/V come from a prefix cache "
+        "(computed once per prompt), so prefill s below is a copy, not a recomputation.",
+        "- decode tok/s = decode tokens / decode seconds of the timed run "
+        "(`stats.tokens_per_second`); it includes each call's set-up (new cache, CUDA graph "
+        "capture). steady tok/s = (decode tokens - those of a "
+        f"{a['short_tokens']}-token run) / (decode seconds - its decode seconds): the same "
+        "tokens after the short run's, without the per-call fixed cost." if a["short_tokens"]
+        else "- decode tok/s = decode tokens / decode seconds of the timed run.",
+        "",
+        "## Throughput",
+        "",
+        "| batch | method | decode tok/s | speedup | steady tok/s | steady speedup | "
+        "decode s | mean accepted length | iterations | draft s | verify s | selection s | "
+        "selection overhead |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in runs:
+        base = by_key.get((r["batch"], "vanilla"))
+        speedup = steady_up = None
+        if base and base["tokens_per_second"]:
+            speedup = r["tokens_per_second"] / base["tokens_per_second"]
+        if base and base["steady_tokens_per_second"] and r["steady_tokens_per_second"]:
+            steady_up = r["steady_tokens_per_second"] / base["steady_tokens_per_second"]
+        lines.append(
+            f"| {r['batch']} | {r['method']} | {rate(r['tokens_per_second'])} | "
+            f"{fmt(speedup)}x | {rate(r['steady_tokens_per_second'])} | "
+            f"{fmt(steady_up)}{'x' if steady_up else ''} | {r['decode_seconds']:.3f} | "
+            f"{fmt(r.get('mean_accepted_length'))} | {fmt(r.get('iterations'), 'd')} | "
+            f"{fmt(r.get('draft_seconds'), '.3f')} | {fmt(r.get('verify_seconds'), '.3f')} | "
+            f"{fmt(r.get('selection_seconds'), '.3f')} | "
+            f"{fmt(r.get('selection_overhead'), '.1%')} |")
+    cold = [r["warmup_prefill_seconds"] for r in runs if r["method"] == "vanilla"]
+    if cold:
+        lines += ["", "Prefill of the prompts the first time (vanilla warm-up, reference "
+                  "attention, prompts missing from the prefix cache): "
+                  + ", ".join(f"b={r['batch']}: {r['warmup_prefill_seconds']:.1f}s"
+                              for r in runs if r["method"] == "vanilla") + "."]
+
+    lines += ["", "## Greedy match with vanilla (same batch)", "",
+              "| batch | method | sequences identical | match rate (identical leading tokens "
+              "/ tokens) | divergences at margin <= tie | spec token = vanilla's 2nd choice |",
+              "| --- | --- | --- | --- | --- | --- |"]
+    tie = a["tie_margin"]
+    groups: dict[tuple, list[dict]] = {}
+    for m in matches:
+        groups.setdefault((m["batch"], m["method"]), []).append(m)
+    all_div = []
+    for (batch, method), ms in groups.items():
+        divs = [m["divergence"] for m in ms if m["divergence"] and "top2_margin" in m["divergence"]]
+        all_div += divs
+        lead = sum(m["leading_identical"] for m in ms)
+        total = sum(m["tokens"] for m in ms)
+        lines.append(
+            f"| {batch} | {method} | {sum(m['identical'] for m in ms)}/{len(ms)} | "
+            f"{lead / total:.2%} | {sum(d['top2_margin'] <= tie for d in divs)}/{len(divs)} | "
+            f"{sum(d['spec_is_second'] for d in divs)}/{len(divs)} |")
+    detail = [m for m in matches if m["divergence"] and "top2_margin" in m["divergence"]]
+    if detail:
+        lines += ["", "### First divergence per sequence", "",
+                  f"Margins come from one {a['dtype']} forward (prompt K/V from the prefix "
+                  "cache, then vanilla's tokens as one multi-row block): it rounds in its own "
+                  "way, so a margin near 0 may even flip the recomputed top-1.", "",
+                  "| batch | method | seq | prompt | position | vanilla token | spec token | "
+                  "top-2 margin | logit gap vanilla - spec | spec rank | recomputed top-1 = "
+                  "vanilla | margin percentile in seq | median margin in seq |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for m in detail:
+            d = m["divergence"]
+            lines.append(
+                f"| {m['batch']} | {m['method']} | {m['sequence']} | {m['prompt']} | "
+                f"{d['position']} | {d['vanilla_token']} {cell(d['vanilla_text'])} | "
+                f"{d['spec_token']} {cell(d['spec_text'])} | {d['top2_margin']:.3f} | "
+                f"{d['logit_gap']:.3f} | {d['spec_rank']} | {d['recomputed_top1_is_vanilla']} | "
+                f"{d['margin_percentile']:.1%} | {d['median_margin']:.2f} |")
+    if margins:
+        pooled = [x for m in margins for x in m["top2_margins"]]
+        lines += ["", f"Vanilla top-2 margins over {len(margins)} sequences, {len(pooled)} "
+                  f"generated positions: median {statistics.median(pooled):.2f}, share "
+                  f"<= {tie} (near-tie): {sum(x <= tie for x in pooled) / len(pooled):.1%}."]
+    lines += ["", f"### Claim: {a['dtype']} divergences happen only at near-ties", ""]
+    if not matches:
+        lines.append("Not measured.")
+    elif not all_div:
+        n_div = sum(1 for m in matches if m["divergence"])
+        lines.append("No divergence: every speculative output equals vanilla's." if not n_div
+                     else f"{n_div} divergences, margins not computed (--margins none).")
+    else:
+        near = sum(d["top2_margin"] <= tie for d in all_div)
+        second = sum(d["spec_is_second"] for d in all_div)
+        worst = max(d["top2_margin"] for d in all_div)
+        verdict = ("supported" if near == len(all_div) and second == len(all_div)
+                   else "not supported" if near < len(all_div) else "partly supported")
+        lines.append(
+            f"{verdict}: {near} of {len(all_div)} first divergences are at a top-2 margin "
+            f"<= {tie} logits (largest {worst:.3f}); at {second} of them the speculative "
+            "token is vanilla's second choice. (bf16 logits between 16 and 32 are spaced "
+            "0.125 apart.)")
+    # The same prompt decoded vanilla at two batch sizes: batch-dependent rounding.
+    van = {(r["batch"]): r["tokens"] for r in data.get("tokens", []) if r["method"] == "vanilla"}
+    if len(van) > 1:
+        batches = sorted(van)
+        small = batches[0]
+        pairs = []
+        for big in batches[1:]:
+            n = min(len(van[small]), len(van[big]))
+            same = sum(van[small][i] == van[big][i] for i in range(n))
+            pairs.append(f"b={small} vs b={big}: {same}/{n} sequences identical")
+        lines += ["", "Vanilla against itself at other batch sizes (same prompts, shared "
+                  "prompt K/V): " + "; ".join(pairs) + "."]
+    return "\n".join(lines) + "\n"
+
+
+# --- main ------------------------------------------------------------------------------
+
+
+def write_outputs(out: Path, data: dict) -> None:
+    data["meta"]["seconds"] = time.perf_counter() - T0
+    write_atomic(out.with_suffix(".json"), json.dumps(data, indent=1))
+    write_atomic(out.with_suffix(".md"), summarize(data))
+
+
+def run(args, out: Path) -> dict:
+    log(f"loading {args.model} on {args.device} ({args.dtype})")
+    model = load_model(args.model, device=args.device, dtype=args.dtype)
+    limit = model.config.max_position_embeddings
+    need = args.ctx + args.max_new_tokens + 2 * (args.gamma + 1)
+    if need > limit:
+        fail(f"ctx {args.ctx} + max-new-tokens {args.max_new_tokens} + 2*(gamma+1) = {need} "
+             f"exceeds {args.model}'s {limit} positions; lower --ctx or --max-new-tokens")
+    if model.device.type != "cuda":
+        log(f"warning: running on {model.device}; throughput figures are not GPU figures")
+    data = dict(
+        meta=dict(args=vars(args), hardware=hardware(), versions=versions(),
+                  attention_backend=attention_backend(model.device),
+                  model=model.label, device=str(model.device), dtype=str(model.dtype),
+                  date=str(datetime.date.today()), complete=False,
+                  command="python " + " ".join(shlex.quote(x) for x in sys.argv)),
+        runs=[], matches=[], margins=[], tokens=[])
+    cache = PrefixCache(int(args.prefix_cache_gib * 2**30))
+    methods = ["vanilla", *args.drafters]
+    for batch in args.batch:
+        prompts = embedded_prompts(model.tokenizer, args.dataset, args.ctx, batch)
+        ids = [p.ids for p in prompts]
+        log(f"batch {batch}: {len(prompts)} prompts of {args.ctx} tokens "
+            f"({', '.join(p.name for p in prompts[:4])}{', ...' if batch > 4 else ''})")
+        tokens: dict[str, list[list[int]]] = {}
+        for method in methods:
+            row, tokens[method] = run_method(model, ids, method, args, cache, batch)
+            data["runs"].append(row)
+            data["tokens"].append(dict(batch=batch, method=method, tokens=tokens[method]))
+            write_outputs(out, data)
+        log(f"batch {batch}: greedy match and margins")
+        rows, margins = analyse_matches(model, prompts, tokens, batch, cache, args)
+        data["matches"] += rows
+        data["margins"] += margins
+        write_outputs(out, data)
+    data["meta"]["complete"] = True
+    return data
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dataset", default="mixed", choices=EMBEDDED_DATASETS)
+    p.add_argument("--ctx", type=int, default=8000, help="prompt tokens per sequence")
+    p.add_argument("--batch", nargs="+", type=int, default=[1, 16])
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--drafters", nargs="+", default=["vegas", "streaming"], choices=DRAFTERS)
+    p.add_argument("--gamma", type=int, default=6)
+    p.add_argument("--sparsity", type=float, default=0.05)
+    p.add_argument("--min-tokens", type=int, default=256)
+    p.add_argument("--warmup-tokens", type=int, default=8,
+                   help="new tokens of the untimed warm-up generate per (batch, method)")
+    p.add_argument("--short-tokens", type=int, default=0,
+                   help="new tokens of a short timed run for a steady-state rate (0: none)")
+    p.add_argument("--prefix-cache-gib", type=float, default=8.0)
+    p.add_argument("--margins", choices=("all", "diverging", "none"), default="all",
+                   help="top-2 margins for every vanilla sequence, only diverging ones, or none")
+    p.add_argument("--tie-margin", type=float, default=0.25,
+                   help="a top-2 margin at or below this (logits) counts as a near-tie")
+    p.add_argument("--from-json", type=Path, default=None,
+                   help="summarize rows measured earlier (e.g. by a run that was cut short)")
+    p.add_argument("--out", default="docs/results/end-to-end",
+                   help="path without suffix: writes OUT.md and OUT.json")
+    args = p.parse_args()
+    if min(args.batch) < 1:
+        fail("batch sizes must be >= 1")
+    if args.max_new_tokens < 2 or args.warmup_tokens < 1:
+        fail("--max-new-tokens must be >= 2 and --warmup-tokens >= 1")
+    if not 0 <= args.short_tokens < args.max_new_tokens:
+        fail(f"--short-tokens must be 0 (off) or below --max-new-tokens {args.max_new_tokens}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if args.from_json:
+        data = json.loads(args.from_json.read_text())
+        write_atomic(out.with_suffix(".md"), summarize(data))
+    else:
+        try:
+            data = run(args, out)
+        except VegasError as exc:
+            fail(str(exc))
+        write_outputs(out, data)
+    log(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.json')}")
+    print(out.with_suffix(".md").read_text())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,275 @@
+"""Whole decode steps and Vegas iterations against the memory-bandwidth floor.
+
+Random weights of a real model's shape (bf16) and a KV cache filled with random values to
+``ctx`` tokens per sequence; no prefill. For each (model, ctx, batch) that fits in memory:
+
+- the device-to-device copy bandwidth, measured once in the same run;
+- a vanilla decode step (one CUDA-graph replay: every layer, the LM head) against its
+  floor = (weight bytes read + KV bytes read) / copy bandwidth;
+- Vegas and StreamingLLM iterations at gamma and sparsity given (drafts, verify, accept,
+  selection, and the one copy of tokens to the host), with the per-phase times from CUDA
+  events, and the selection's share of an iteration.
+
+Every time is a median over iterations after warm-up (which compiles and captures).
+With ``--tau drafter=L`` (mean accepted length measured with a real model, e.g. by
+bench/end_to_end.py) the table adds modelled tokens/s: batch x L / iteration time, and
+batch / step time for vanilla. ``--from-json`` re-renders an earlier run's table with
+other accepted lengths, without a GPU.
+
+    python bench/steps.py --out docs/results/steps-h200
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.acceptance import write_atomic  # noqa: E402
+
+MODELS = ("qwen3-8b", "llama-3.1-8b")
+STEP_REPEATS = 30  # vanilla step replays timed
+ITERATIONS, WARMUP_ITERATIONS = 12, 3
+HEADROOM = 12 << 30  # bytes left free beside weights and cache (graphs, scores, logits)
+COPY_BYTES = 2 << 30
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second of a device-to-device copy (read + write counted)."""
+    src = torch.empty(COPY_BYTES, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+    return 2 * COPY_BYTES / statistics.median(times)
+
+
+def weight_bytes_read(net) -> int:
+    """Bytes a decode step reads from the weights: all of them but the embedding table
+    (a lookup reads one row per token) unless the LM head shares it."""
+    total = sum(p.numel() * p.element_size() for p in net.parameters())
+    if net.lm_head.weight is not net.embed_tokens.weight:
+        e = net.embed_tokens.weight
+        total -= e.numel() * e.element_size()
+    return total
+
+
+def kv_bytes_per_token(config, dtype_bytes: int = 2) -> int:
+    return config.num_layers * 2 * config.num_kv_heads * config.head_dim * dtype_bytes
+
+
+def vanilla_step_seconds(model, cache) -> float:
+    from vegas_core.attention import AttentionMeta
+    from vegas_core.graphs import StaticForward, new_pool
+
+    dev = model.device
+    forward = StaticForward(model.net, cache, cache.batch_size, 1,
+                            lambda pos: AttentionMeta.full(pos, cache.max_len),
+                            all_rows=False, device=dev, pool=new_pool(dev))
+    tokens = torch.randint(0, model.config.vocab_size, (cache.batch_size, 1), device=dev)
+    positions = cache.lengths[:, None].clone()
+    times = []
+    with torch.inference_mode():
+        for i in range(STEP_REPEATS + WARMUP_ITERATIONS):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            forward(tokens, positions)
+            end.record()
+            end.synchronize()
+            if i >= WARMUP_ITERATIONS:
+                times.append(start.elapsed_time(end) / 1000)
+    return statistics.median(times)
+
+
+def iteration_seconds(model, cache, ctx: int, spec) -> dict:
+    """Median wall time of an iteration (host sync included) and of each phase."""
+    from vegas_core.sampling import SamplingParams
+    from vegas_core.speculative import SpeculativeSession
+
+    dev = model.device
+    b = cache.batch_size
+    cache.lengths.fill_(ctx)
+    window = torch.randint(0, model.config.vocab_size, (b, spec.gamma + 1), device=dev)
+    session = SpeculativeSession.from_cache(model, cache, window, spec, SamplingParams())
+    walls, phases = [], {k: [] for k in session.timers}
+    for i in range(ITERATIONS + WARMUP_ITERATIONS):
+        before = dict(session.timers)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        session.step([True] * b)  # ends with the iteration's one device-to-host copy
+        wall = time.perf_counter() - t
+        if i >= WARMUP_ITERATIONS:
+            walls.append(wall)
+            for k in phases:
+                phases[k].append(session.timers[k] - before[k])
+    out = {"iteration": statistics.median(walls)}
+    out.update({k: statistics.median(v) for k, v in phases.items()})
+    out["selection_share"] = out["selection"] / out["iteration"]
+    out["drafted_budget"] = int(session.selection.counts.max())
+    del session
+    return out
+
+
+def run(args, save) -> dict:
+    import triton
+
+    from vegas_core import SpecConfig, load_model
+
+    bandwidth = copy_bandwidth()
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", file=sys.stderr, flush=True)
+    total_memory = torch.cuda.get_device_properties(0).total_memory
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "triton": triton.__version__, "command": "python " + shlex.join(sys.argv),
+              "copy_bandwidth": bandwidth, "gamma": args.gamma, "sparsity": args.sparsity,
+              "min_tokens": args.min_tokens, "rows": []}
+    # Room for the iterations to come: each advances a sequence by at most gamma + 1.
+    margin = (args.gamma + 1) * (ITERATIONS + WARMUP_ITERATIONS + 2)
+    for name in args.models:
+        model = load_model(f"dummy:{name}", device="cuda", dtype="bfloat16")
+        wbytes = weight_bytes_read(model.net)
+        per_token = kv_bytes_per_token(model.config)
+        for ctx in args.ctx:
+            for b in args.batch:
+                row = {"model": name, "ctx": ctx, "batch": b}
+                need = wbytes + per_token * b * (ctx + margin)
+                if need + HEADROOM > total_memory:
+                    row["skipped"] = (f"needs {need / 2**30:.0f} GiB of weights and KV; the GPU "
+                                      f"has {total_memory / 2**30:.0f} GiB")
+                    result["rows"].append(row)
+                    print(f"{name} ctx={ctx} B={b}: {row['skipped']}", file=sys.stderr, flush=True)
+                    continue
+                cache = model.net.new_cache(b, ctx + margin)
+                gen = torch.Generator(device="cuda").manual_seed(ctx + b)
+                for layer in range(model.config.num_layers):
+                    cache.k[layer].normal_(generator=gen)
+                    cache.v[layer].normal_(generator=gen)
+                cache.lengths.fill_(ctx)
+                floor = (wbytes + per_token * b * ctx) / bandwidth
+                row.update(floor=floor, vanilla=vanilla_step_seconds(model, cache))
+                for drafter in args.drafters:
+                    spec = SpecConfig(drafter=drafter, gamma=args.gamma, sparsity=args.sparsity,
+                                      min_tokens=args.min_tokens)
+                    row[drafter] = iteration_seconds(model, cache, ctx, spec)
+                result["rows"].append(row)
+                save(result)  # a run cut short keeps its finished rows
+                print(json.dumps(row), file=sys.stderr, flush=True)
+                del cache
+                gc.collect()
+                torch.cuda.empty_cache()
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+    return result
+
+
+def render(result: dict, tau: dict[str, float], tau_source: str) -> str:
+    ms = lambda s: f"{1000 * s:.2f}"  # noqa: E731
+    drafters = [d for d in ("vegas", "streaming") if any(d in r for r in result["rows"])]
+    lines = [
+        f"# Decode steps and iterations vs the bandwidth floor (gamma {result['gamma']}, "
+        f"sparsity {result['sparsity']}, min tokens {result['min_tokens']}; bf16, random weights "
+        "of the real shape)",
+        "",
+        f"- GPU: {result['gpu']}; torch {result['torch']}; triton {result['triton']}",
+        f"- Command: `{result['command']}`",
+        f"- Copy bandwidth measured in this run: {result['copy_bandwidth'] / 1e12:.2f} TB/s "
+        "(read + write). Floor = (weight bytes read + KV bytes read) / that bandwidth.",
+        f"- Vanilla step: median of {STEP_REPEATS} CUDA-graph replays (CUDA events). Iterations: "
+        f"median of {ITERATIONS} after {WARMUP_ITERATIONS} warm-ups, wall time including the "
+        "iteration's one host sync; phases from CUDA events. Milliseconds.",
+        "- Targets: vanilla step <= 1.10x floor at batch 8 / 64k and <= 1.25x at batch 1; "
+        "selection <= 5% of an iteration at gamma 6 / 64k.",
+        "",
+        "| model | ctx | batch | floor | vanilla step | / floor | "
+        + " | ".join(f"{d} iteration (draft / verify / select) | {d} select share"
+                     for d in drafters) + " |",
+        "| --- | --- | --- | --- | --- | --- |" + " --- | --- |" * len(drafters),
+    ]
+    for r in result["rows"]:
+        if "skipped" in r:
+            lines.append(f"| {r['model']} | {r['ctx']} | {r['batch']} | " + "| " * 3
+                         + f"does not fit: {r['skipped']} |" + " |" * (2 * len(drafters) - 1))
+            continue
+        cells = [r["model"], str(r["ctx"]), str(r["batch"]), ms(r["floor"]), ms(r["vanilla"]),
+                 f"{r['vanilla'] / r['floor']:.2f}"]
+        for d in drafters:
+            it = r[d]
+            cells.append(f"{ms(it['iteration'])} ({ms(it['draft'])} / {ms(it['verify'])} / "
+                         f"{ms(it['selection'])})")
+            cells.append(f"{100 * it['selection_share']:.1f}%")
+        lines.append("| " + " | ".join(cells) + " |")
+    if tau:
+        lines += ["", f"## Modelled tokens/s (accepted lengths: {tau_source})", "",
+                  "tokens/s = batch x mean accepted length / iteration time; vanilla: batch / "
+                  "step time. Speed-up is against vanilla in the same row.", "",
+                  "| model | ctx | batch | vanilla tok/s | "
+                  + " | ".join(f"{d} tok/s (x vanilla)" for d in drafters if d in tau) + " |",
+                  "| --- | --- | --- | --- |" + " --- |" * len([d for d in drafters if d in tau])]
+        for r in result["rows"]:
+            if "skipped" in r:
+                continue
+            van = r["batch"] / r["vanilla"]
+            cells = [r["model"], str(r["ctx"]), str(r["batch"]), f"{van:.0f}"]
+            for d in drafters:
+                if d in tau:
+                    tps = r["batch"] * tau[d] / r[d]["iteration"]
+                    cells.append(f"{tps:.0f} ({tps / van:.2f}x)")
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    p.add_argument("--ctx", nargs="+", type=int, default=[32768, 65536, 131072])
+    p.add_argument("--batch", nargs="+", type=int, default=[1, 8, 32])
+    p.add_argument("--drafters", nargs="+", default=["vegas", "streaming"])
+    p.add_argument("--gamma", type=int, default=6)
+    p.add_argument("--sparsity", type=float, default=0.05)
+    p.add_argument("--min-tokens", type=int, default=256)
+    p.add_argument("--tau", nargs="*", default=[], metavar="DRAFTER=LENGTH",
+                   help="mean accepted length per drafter, for the modelled tokens/s table")
+    p.add_argument("--tau-source", default="given on the command line",
+                   help="where the accepted lengths were measured (printed with the table)")
+    p.add_argument("--from-json", help="re-render this earlier result instead of measuring")
+    p.add_argument("--out", default="docs/results/steps-h200", help="writes OUT.md and OUT.json")
+    args = p.parse_args()
+    try:
+        tau = {k: float(v) for k, v in (t.split("=", 1) for t in args.tau)}
+    except ValueError:
+        p.error("--tau takes DRAFTER=LENGTH pairs, e.g. --tau vegas=5.1 streaming=4.2")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save(result: dict) -> None:
+        write_atomic(out.with_suffix(".json"), json.dumps(result, indent=1))
+        write_atomic(out.with_suffix(".md"), render(result, tau, args.tau_source))
+
+    if args.from_json:
+        write_atomic(out.with_suffix(".md"),
+                     render(json.loads(Path(args.from_json).read_text()), tau, args.tau_source))
+    else:
+        if not torch.cuda.is_available():
+            p.error("this benchmark needs a CUDA GPU (or --from-json to re-render a result)")
+        save(run(args, save))
+    print(out.with_suffix(".md").read_text())
+
+
+if __name__ == "__main__":
+    main()

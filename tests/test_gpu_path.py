@@ -1,0 +1,150 @@
+"""The fast path: Triton kernels on static buffers (CUDA graphs on a GPU).
+
+On a GPU these tests capture and replay real CUDA graphs; without one they run the same
+static-buffer steps eagerly (VEGAS_CUDA_GRAPHS=static) with the kernels in Triton's
+interpreter. Either way the output must equal the PyTorch reference path token for token
+(float32, greedy), for every option of the vegas drafter.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="the fast path needs Triton")
+
+from vegas_core import SpecConfig, generate  # noqa: E402
+from vegas_core.attention import ScoreCollector  # noqa: E402
+from vegas_core.sampling import SamplingParams  # noqa: E402
+from vegas_core.speculative import SpeculativeSession  # noqa: E402
+from tests.test_engine import tiny_model  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Real capture on a GPU; the same static steps run eagerly elsewhere.
+FAST = {"VEGAS_ATTENTION": "triton", "VEGAS_CUDA_GRAPHS": "auto" if DEVICE == "cuda" else "static"}
+REFERENCE = {"VEGAS_ATTENTION": "reference", "VEGAS_CUDA_GRAPHS": "0"}
+PROMPTS = [list(range(1, 70)), list(range(5, 40))]
+NEW_TOKENS = 10
+
+
+def use(monkeypatch, env: dict) -> None:
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = tiny_model(head_dim=16)  # the kernels need a head dim of 16 or more
+    m.net.to(DEVICE)
+    return m
+
+
+@pytest.fixture(scope="module")
+def vanilla(model):
+    with pytest.MonkeyPatch.context() as mp:
+        use(mp, REFERENCE)
+        return generate(model, PROMPTS, max_new_tokens=NEW_TOKENS, ignore_eos=True).tokens
+
+
+def test_static_vanilla_decode_matches_the_reference(model, vanilla, monkeypatch):
+    use(monkeypatch, FAST)
+    assert generate(model, PROMPTS, max_new_tokens=NEW_TOKENS, ignore_eos=True).tokens == vanilla
+
+
+VEGAS_OPTIONS = [
+    dict(collect=c, score=s, granularity=g)
+    for c, s, g in itertools.product(("two", "all", "last"), ("logit", "weight"),
+                                     ("layer", "kv_head"))
+] + [dict(window=0.5), dict(window=0.25, collect="last", score="weight")]
+
+
+@pytest.mark.parametrize("options", VEGAS_OPTIONS, ids=lambda o: "-".join(map(str, o.values())))
+def test_every_vegas_option_is_lossless_on_the_fast_path(model, vanilla, options, monkeypatch):
+    use(monkeypatch, FAST)
+    spec = SpecConfig(gamma=3, sparsity=0.1, min_tokens=4, **options)
+    got = generate(model, PROMPTS, max_new_tokens=NEW_TOKENS, ignore_eos=True, spec=spec)
+    assert got.tokens == vanilla
+
+
+@pytest.mark.parametrize("drafter", ["streaming", "snapkv", "specextend", "quest", "dense"])
+def test_peer_drafters_are_lossless_on_the_fast_path(model, vanilla, drafter, monkeypatch):
+    use(monkeypatch, FAST)
+    spec = SpecConfig(drafter=drafter, gamma=3, sparsity=0.1, min_tokens=4)
+    got = generate(model, PROMPTS, max_new_tokens=NEW_TOKENS, ignore_eos=True, spec=spec)
+    assert got.tokens == vanilla
+
+
+@pytest.mark.parametrize("collect, score, granularity", [
+    ("last", "weight", "kv_head"), ("two", "weight", "layer"), ("last", "logit", "layer")])
+def test_deferred_scores_select_what_the_reference_selects(model, collect, score, granularity,
+                                                           monkeypatch):
+    """Weight scores and the last row are summed by the score kernel after acceptance;
+    the selection equals the reference path's, which keeps per-row tensors."""
+    spec = SpecConfig(gamma=3, sparsity=0.1, min_tokens=4, collect=collect, score=score,
+                      granularity=granularity)
+    sessions = {}
+    for name, env in (("reference", REFERENCE), ("fast", FAST)):
+        use(monkeypatch, env)
+        session = SpeculativeSession(model, PROMPTS, spec, SamplingParams(), 8, prefill_chunk=32)
+        session.step([True, True])
+        sessions[name] = session
+    fast = sessions["fast"].last_collector
+    layers = model.config.num_layers
+    assert len(fast.deferred) == layers and len(fast.reduced) == layers
+    assert not fast.logit and not fast.weight  # no per-row tensor was kept
+    ref, got = sessions["reference"].selection, sessions["fast"].selection
+    assert torch.equal(ref.counts, got.counts)
+    for layer, b in itertools.product(range(layers), range(2)):
+        for g in range(ref.indices.shape[2]):
+            n = int(ref.counts[layer, b])
+            assert (set(ref.indices[layer, b, g, :n].tolist())
+                    == set(got.indices[layer, b, g, :n].tolist()))
+
+
+def test_session_from_a_filled_cache_continues_like_a_prefilled_one(model, monkeypatch):
+    """from_cache (benchmarks fill long caches without a prefill) decodes exactly as a
+    session that prefilled the same prompts."""
+    from vegas_core.generation import prefill
+
+    use(monkeypatch, FAST)
+    spec = SpecConfig(gamma=3, sparsity=0.1, min_tokens=4)
+    ids = [PROMPTS[0][:50], PROMPTS[0][10:60]]  # equal lengths
+    usual = SpeculativeSession(model, ids, spec, SamplingParams(), 12, prefill_chunk=32)
+    cache = model.net.new_cache(2, usual.cache.max_len)
+    w = spec.gamma + 1
+    prefill(model, [p[:-w] for p in ids], cache, need_last_hidden=False)
+    cache.lengths.fill_(50)
+    resumed = SpeculativeSession.from_cache(model, cache, torch.tensor([p[-w:] for p in ids]),
+                                            spec, SamplingParams())
+    assert torch.equal(resumed.pending, usual.pending)
+    for _ in range(3):
+        assert resumed.step([True, True]) == usual.step([True, True])
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="host synchronisation is a GPU matter")
+def test_an_iteration_synchronises_with_the_host_once(model, monkeypatch):
+    use(monkeypatch, FAST)
+    session = SpeculativeSession(model, PROMPTS, SpecConfig(gamma=3, sparsity=0.1, min_tokens=4),
+                                 SamplingParams(), 40, prefill_chunk=32)
+    for _ in range(2):  # compile and capture
+        session.step([True, True])
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            session.step([True, True])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) == 1, [str(w.message) for w in syncs]  # the tokens' copy to the host
+
+
+def test_collectors_report_what_they_can_do():
+    rows = torch.ones(1, 3)
+    assert ScoreCollector({"logit"}, None, rows).fusable
+    assert not ScoreCollector({"weight"}, None, rows).fusable
+    assert ScoreCollector({"weight"}, deferrable=True).deferrable
+    assert not ScoreCollector({"weight"}, {0}, deferrable=True).deferrable

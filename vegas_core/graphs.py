@@ -1,0 +1,162 @@
+"""Decode-style forwards on static buffers, replayed from CUDA graphs.
+
+A ``StepGraph`` wraps a body that reads only tensors allocated once (token, position
+and selection buffers, the KV cache) and returns its outputs. On a GPU the body is run
+twice eagerly (Triton compiles, cuBLAS picks its kernels), then captured once and
+replayed at every later call: one launch per step instead of hundreds, and no Python
+between kernels. Elsewhere it simply runs eagerly on the same buffers, so CPU tests
+exercise the code that the GPU captures.
+
+A body must be idempotent (running it twice on the same inputs leaves the same state:
+forwards overwrite the same cache slots) and must not read device values on the host;
+lengths stay on the device and the kernels size their work from them.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable
+
+import torch
+
+# VEGAS_CUDA_GRAPHS: "auto" (capture on CUDA), "0" (eager steps with host-sized
+# shapes, for debugging and comparison), or "static" (the static-buffer steps, run
+# eagerly on any device: how CPU tests exercise what the GPU captures).
+GRAPHS_ENV = "VEGAS_CUDA_GRAPHS"
+# Eager runs before capture: the first compiles Triton kernels and autotunes cuBLAS;
+# the second runs on warm caches so that capture records no one-off work.
+WARMUP_RUNS = 2
+
+
+def _setting() -> str:
+    return os.environ.get(GRAPHS_ENV, "auto")
+
+
+def graphs_enabled(device: torch.device) -> bool:
+    """CUDA graphs for decode steps: on CUDA devices unless VEGAS_CUDA_GRAPHS=0/static."""
+    return device.type == "cuda" and _setting() == "auto"
+
+
+def static_steps(device: torch.device) -> bool:
+    """Whether decode steps run on static buffers (shapes fixed by the cache's
+    capacity): when they are captured, or when forced with VEGAS_CUDA_GRAPHS=static."""
+    return graphs_enabled(device) or _setting() == "static"
+
+
+class StepGraph:
+    """``body()`` captured once on first call (CUDA) and replayed afterwards.
+
+    Returns whatever ``body`` returned during capture: the same tensors on every call,
+    overwritten in place by each replay.
+    """
+
+    def __init__(self, body: Callable[[], object], device: torch.device,
+                 pool: object | None = None) -> None:
+        self.body = body
+        self.capture = graphs_enabled(device)
+        self.pool = pool
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.outputs: object = None
+
+    def __call__(self) -> object:
+        if not self.capture:
+            return self.body()
+        if self.graph is None:
+            self._capture()
+        self.graph.replay()
+        return self.outputs
+
+    def _capture(self) -> None:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP_RUNS):
+                self.body()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self.outputs = self.body()
+        self.graph = graph
+
+
+class StaticForward:
+    """A forward of fixed [B, T] token and position buffers on a ``StepGraph``: copy
+    the inputs in, get float32 logits out (of every row, or of the last row only).
+
+    ``make_meta(positions)`` builds the attention metadata from the static position
+    buffer; it must read its own inputs from static tensors too.
+    """
+
+    def __init__(self, net, cache, batch: int, rows: int, make_meta, *, all_rows: bool,
+                 device: torch.device, pool: object | None) -> None:
+        self.tokens = torch.zeros(batch, rows, dtype=torch.long, device=device)
+        self.positions = torch.zeros(batch, rows, dtype=torch.long, device=device)
+
+        def body() -> torch.Tensor:
+            hidden = net(self.tokens, self.positions, cache, make_meta(self.positions))
+            return net.logits(hidden if all_rows else hidden[:, -1])
+
+        self.graph = StepGraph(body, device, pool)
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        self.tokens.copy_(tokens)
+        self.positions.copy_(positions)
+        return self.graph()
+
+
+def new_pool(device: torch.device) -> object | None:
+    """One memory pool for all graphs of a session: their intermediates share memory
+    (they never run at the same time); outputs that are kept stay allocated."""
+    return torch.cuda.graph_pool_handle() if graphs_enabled(device) else None
+
+
+# KV capacity is rounded up to this many slots, so that calls with slightly different
+# lengths (tuning trials, warm-ups) share one cache and its captured graphs.
+CAPACITY_STEP = 256
+# Workspaces kept per model (least recently used dropped first): each holds a KV cache.
+MAX_WORKSPACES = 2
+
+
+class Workspace:
+    """A KV cache, static buffers and captured graphs kept across ``generate`` calls on
+    one model, for one batch size and capacity: capturing costs far more than a step,
+    so a short generation must not pay for it again. ``get(key, make)`` returns the
+    item stored under ``key``, made on first use."""
+
+    def __init__(self, net, batch: int, capacity: int, device: torch.device) -> None:
+        self.cache = net.new_cache(batch, capacity)
+        self.pool = new_pool(device)
+        self._items: dict[tuple, object] = {}
+
+    @classmethod
+    def around(cls, cache, device: torch.device) -> "Workspace":
+        """A workspace for a cache the caller made (used by one session only)."""
+        space = cls.__new__(cls)
+        space.cache, space.pool, space._items = cache, new_pool(device), {}
+        return space
+
+    def get(self, key: tuple, make: Callable[[], object]) -> object:
+        if key not in self._items:
+            self._items[key] = make()
+        return self._items[key]
+
+
+_workspaces: "weakref.WeakKeyDictionary[object, OrderedDict]" = weakref.WeakKeyDictionary()
+
+
+def workspace(net, batch: int, min_len: int, device: torch.device) -> Workspace | None:
+    """The model's workspace for ``batch`` sequences of up to ``min_len`` slots, when
+    decode steps run on static buffers (else None: callers allocate per call)."""
+    if not static_steps(device):
+        return None
+    capacity = -(-min_len // CAPACITY_STEP) * CAPACITY_STEP
+    spaces = _workspaces.setdefault(net, OrderedDict())
+    key = (batch, capacity)
+    if key not in spaces:
+        while len(spaces) >= MAX_WORKSPACES:
+            spaces.popitem(last=False)
+        spaces[key] = Workspace(net, batch, capacity, device)
+    spaces.move_to_end(key)
+    return spaces[key]
