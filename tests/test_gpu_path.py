@@ -148,3 +148,18 @@ def test_collectors_report_what_they_can_do():
     assert not ScoreCollector({"weight"}, None, rows).fusable
     assert ScoreCollector({"weight"}, deferrable=True).deferrable
     assert not ScoreCollector({"weight"}, {0}, deferrable=True).deferrable
+
+
+def test_a_workspace_is_kept_across_calls_and_replaced_by_a_new_shape(model, monkeypatch):
+    from vegas_core.graphs import release_workspace, workspace
+
+    use(monkeypatch, FAST)
+    dev = torch.device(DEVICE)
+    first = workspace(model.net, 2, 300, dev)
+    assert first.cache.max_len % 256 == 0 and first.cache.max_len >= 300
+    assert workspace(model.net, 2, 200, dev) is first  # fits: reused, graphs and all
+    bigger = workspace(model.net, 2, first.cache.max_len + 1, dev)
+    assert bigger is not first and workspace(model.net, 1, 10, dev) is not bigger
+    release_workspace(model.net)
+    monkeypatch.setenv("VEGAS_CUDA_GRAPHS", "0")
+    assert workspace(model.net, 2, 300, dev) is None  # eager steps allocate per call

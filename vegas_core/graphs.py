@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import weakref
-from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
@@ -115,8 +114,6 @@ def new_pool(device: torch.device) -> object | None:
 # KV capacity is rounded up to this many slots, so that calls with slightly different
 # lengths (tuning trials, warm-ups) share one cache and its captured graphs.
 CAPACITY_STEP = 256
-# Workspaces kept per model (least recently used dropped first): each holds a KV cache.
-MAX_WORKSPACES = 2
 
 
 class Workspace:
@@ -143,20 +140,27 @@ class Workspace:
         return self._items[key]
 
 
-_workspaces: "weakref.WeakKeyDictionary[object, OrderedDict]" = weakref.WeakKeyDictionary()
+# One workspace per model: a long-context cache is most of a GPU's memory, so a new
+# shape replaces the old one rather than joining it.
+_workspaces: "weakref.WeakKeyDictionary[object, Workspace]" = weakref.WeakKeyDictionary()
 
 
 def workspace(net, batch: int, min_len: int, device: torch.device) -> Workspace | None:
     """The model's workspace for ``batch`` sequences of up to ``min_len`` slots, when
-    decode steps run on static buffers (else None: callers allocate per call)."""
+    decode steps run on static buffers (else None: callers allocate per call). A kept
+    workspace of the same batch and at least that capacity is reused as it is."""
     if not static_steps(device):
         return None
+    space = _workspaces.get(net)
+    if space is not None and space.cache.batch_size == batch and space.cache.max_len >= min_len:
+        return space
+    if space is not None:
+        del _workspaces[net], space  # free the old cache before allocating the new one
     capacity = -(-min_len // CAPACITY_STEP) * CAPACITY_STEP
-    spaces = _workspaces.setdefault(net, OrderedDict())
-    key = (batch, capacity)
-    if key not in spaces:
-        while len(spaces) >= MAX_WORKSPACES:
-            spaces.popitem(last=False)
-        spaces[key] = Workspace(net, batch, capacity, device)
-    spaces.move_to_end(key)
-    return spaces[key]
+    _workspaces[net] = Workspace(net, batch, capacity, device)
+    return _workspaces[net]
+
+
+def release_workspace(net) -> None:
+    """Drop the model's kept cache and graphs (their memory returns to the allocator)."""
+    _workspaces.pop(net, None)
