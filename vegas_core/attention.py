@@ -275,6 +275,12 @@ def kernels_serve(q: torch.Tensor, rows: int, sliding_window: int | None) -> boo
     return supported_head_dim(q.shape[-1])
 
 
+def kernels_serve_model(config, device: torch.device, rows: int) -> bool:
+    """``kernels_serve`` for forwards of ``rows`` rows of a model with this config."""
+    probe = torch.empty(0, config.num_heads, config.head_dim, device=device)
+    return kernels_serve(probe, rows, config.sliding_window)
+
+
 def _kernel_attention(q, k, v, layer: int, meta: AttentionMeta) -> torch.Tensor | None:
     """The Triton path where it covers the request, else None."""
     if not kernels_serve(q, q.shape[1], meta.sliding_window):

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from vegas_core.attention import AttentionMeta, kernels_serve
+from vegas_core.attention import AttentionMeta, kernels_serve_model
 from vegas_core.cache import KVCache
 from vegas_core.errors import VegasError
 from vegas_core.graphs import StaticForward, workspace
@@ -182,8 +182,8 @@ def _decode_setup(model: LoadedModel, batch: int, capacity: int):
     [B, V]. Where the kernels serve the step it runs on static buffers (a CUDA graph on
     a GPU) kept in the model's workspace; else eagerly with the host's key bound."""
     net, dev, window = model.net, model.device, model.config.sliding_window
-    probe = torch.empty(0, model.config.num_heads, model.config.head_dim, device=dev)
-    space = workspace(net, batch, capacity, dev) if kernels_serve(probe, 1, window) else None
+    space = workspace(net, batch, capacity, dev) if kernels_serve_model(
+        model.config, dev, 1) else None
     if space is not None:
         cache = space.cache
         forward = space.get(("vanilla",), lambda: StaticForward(

@@ -120,7 +120,8 @@ class Workspace:
     """A KV cache, static buffers and captured graphs kept across ``generate`` calls on
     one model, for one batch size and capacity: capturing costs far more than a step,
     so a short generation must not pay for it again. ``get(key, make)`` returns the
-    item stored under ``key``, made on first use."""
+    item stored under ``key``, made on first use (``find`` and ``put`` when making it
+    depends on more than the key)."""
 
     def __init__(self, net, batch: int, capacity: int, device: torch.device) -> None:
         self.cache = net.new_cache(batch, capacity)
@@ -138,6 +139,12 @@ class Workspace:
         if key not in self._items:
             self._items[key] = make()
         return self._items[key]
+
+    def find(self, key: tuple) -> object | None:
+        return self._items.get(key)
+
+    def put(self, key: tuple, item: object) -> None:
+        self._items[key] = item
 
 
 # One workspace per model: a long-context cache is most of a GPU's memory, so a new

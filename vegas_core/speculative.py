@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vegas_core.attention import AttentionMeta, ScoreCollector, SparseSelection, kernels_serve
+from vegas_core.attention import (AttentionMeta, ScoreCollector, SparseSelection,
+                                  kernels_serve_model)
 from vegas_core.generation import (GenerationResult, GenerationStats, PrefixCache, ProgressFn,
                                    _sync, check_lengths, encode_prompts, prefill)
 from vegas_core.graphs import StaticForward, StepGraph, Workspace, static_steps, workspace
@@ -95,10 +96,8 @@ class SpeculativeSession:
         # Room for a full iteration past the last token, and for one more: a sequence that
         # finished keeps its length but its slots are still written by the batch's steps.
         capacity = longest + max_new_tokens + 2 * (spec.gamma + 1)
-        c = model.config
-        probe = torch.empty(0, c.num_heads, c.head_dim, device=model.device)
         space = None
-        if kernels_serve(probe, spec.gamma + 1, c.sliding_window):
+        if kernels_serve_model(model.config, model.device, spec.gamma + 1):
             space = workspace(model.net, len(prompt_ids), capacity, model.device)
         cache = space.cache if space is not None else model.net.new_cache(len(prompt_ids),
                                                                           capacity)
@@ -115,8 +114,9 @@ class SpeculativeSession:
         a long cache without a prefill; leave room for the iterations to come."""
         self = cls.__new__(cls)
         space = None
-        if static_steps(model.device):  # the caller's cache, in a workspace of its own
-            space = Workspace.around(cache, model.device)
+        if static_steps(model.device) and kernels_serve_model(model.config, model.device,
+                                                              spec.gamma + 1):
+            space = Workspace.around(cache, model.device)  # the caller's cache, its own
         self._init(model, cache, spec, params, cache.lengths.tolist(), space)
         w = window_tokens.shape[1]
         self._open_window(window_tokens.to(self.dev), cache.lengths - w)
@@ -139,12 +139,13 @@ class SpeculativeSession:
         self._setup_static_steps(space)
 
     def _setup_static_steps(self, space: Workspace | None) -> None:
+        """``space``: where the static steps keep their buffers and graphs (None: the
+        steps run eagerly, sized by the host's lengths)."""
         c, dev = self.model.config, self.dev
-        probe = torch.empty(0, c.num_heads, c.head_dim, device=dev)
-        self.space = space if kernels_serve(probe, self.spec.gamma + 1, self.window) else None
-        self.static = self.space is not None
+        self.space = space
+        self.static = space is not None
         self._scores_out = None
-        if self.drafter.reads_reduced_scores and kernels_serve(probe, 1, self.window):
+        if self.drafter.reads_reduced_scores and kernels_serve_model(c, dev, 1):
             # The kernels write each layer's row-summed scores here: no stack, no copy.
             shape = (c.num_layers, self.batch, c.num_kv_heads, self.cache.max_len)
             make = lambda: torch.empty(shape, dtype=torch.float32, device=dev)  # noqa: E731
@@ -269,27 +270,28 @@ class SpeculativeSession:
                        collect: bool) -> tuple[torch.Tensor, ScoreCollector | None]:
         """The verify forward, [B, T] -> (logits [B, T, V], the collector)."""
         rows = tokens.shape[1]
+        # What a collector would be, as far as a captured graph is concerned: the kind of
+        # drafter and the vegas options decide its modes, rows and layers.
+        key = ("verify", rows, collect, type(self.drafter).__name__, self.spec.collect,
+               self.spec.score)
+        if self.static:
+            found = self.space.find(key)
+            if found is not None:
+                forward, collector = found
+                return forward(tokens, positions), collector
         collector = self._collector(rows, self.iteration) if collect else None
         graphable = collector is None or collector.fusable or collector.deferrable
         if not (self.static and graphable):
             meta = AttentionMeta.verify(positions, kv_len, self.window, collector)
             return self.net.logits(self.net(tokens, positions, self.cache, meta)), collector
-        key = ("verify", rows) + (() if collector is None else (
-            tuple(sorted(collector.modes)), collector.fusable, collector.deferrable,
-            self.spec.collect))
-
-        def make():
-            if collector is not None:
-                collector.static = True  # its tensors are the graph's outputs
-            cap = self.cache.max_len
-            forward = StaticForward(self.net, self.cache, self.batch, rows,
-                                    lambda pos: AttentionMeta.verify(pos, cap,
-                                                                     collector=collector),
-                                    all_rows=True, device=self.dev, pool=self.space.pool)
-            return forward, collector
-
-        forward, static_collector = self.space.get(key, make)
-        return forward(tokens, positions), static_collector
+        if collector is not None:
+            collector.static = True  # its tensors are the graph's outputs
+        cap = self.cache.max_len
+        forward = StaticForward(self.net, self.cache, self.batch, rows,
+                                lambda pos: AttentionMeta.verify(pos, cap, collector=collector),
+                                all_rows=True, device=self.dev, pool=self.space.pool)
+        self.space.put(key, (forward, collector))
+        return forward(tokens, positions), collector
 
     def _active_mask(self, active) -> tuple[torch.Tensor, list[bool]]:
         """-> (device [B] bool, host list); the device copy is made only on change."""
@@ -407,7 +409,7 @@ def generate_speculative(model: LoadedModel, prompts, max_new_tokens: int, spec:
 
     for i, tok in enumerate(session.pending.tolist()):
         take(i, [tok])
-    accepted_per_position = torch.zeros(spec.gamma)
+    accepted_per_position = [0] * spec.gamma  # host counts: no tensor ops per sequence
     rounds = 0
     while not all(done):
         new = session.step([not d for d in done])
@@ -415,7 +417,8 @@ def generate_speculative(model: LoadedModel, prompts, max_new_tokens: int, spec:
             if done[i]:
                 continue
             rounds += 1
-            accepted_per_position += (torch.arange(spec.gamma) < len(new[i]) - 1).float()
+            for p in range(len(new[i]) - 1):  # drafts accepted this round
+                accepted_per_position[p] += 1
             take(i, new[i])
         if progress:
             progress("decode", min(len(o) for o in out), max_new_tokens)
@@ -423,7 +426,7 @@ def generate_speculative(model: LoadedModel, prompts, max_new_tokens: int, spec:
     t2 = time.perf_counter()
 
     texts = [model.tokenizer.decode(ids) for ids in out] if model.tokenizer else None
-    by_position = (accepted_per_position / max(rounds, 1)).tolist()
+    by_position = [a / max(rounds, 1) for a in accepted_per_position]
     stats = SpeculativeStats(
         prompt_tokens=[len(p) for p in prompt_ids],
         new_tokens=[len(o) for o in out],
