@@ -127,9 +127,11 @@ def test_killed_run_resumes_without_repeating_finished_trials(tmp_path):
 
 def test_ctrl_c_exits_130_and_keeps_trials(tmp_path):
     storage = str(tmp_path / "study.journal")
+    # Many refine trials: the run must still be going when the interrupt lands, however
+    # slowly this process polls the storage on a loaded machine.
     argv = [sys.executable, "-m", "vegas_tune.cli", *FAST, "--ctx", "2k", "--num-prompts", "3",
-            "--sparsity-grid", "0.02,0.05,0.1,0.2,0.3", "--out", str(tmp_path / "p.yaml"),
-            "--storage", storage, "--study-name", "int"]
+            "--sparsity-grid", "0.02,0.05,0.1,0.2,0.3", "--refine-trials", "200",
+            "--out", str(tmp_path / "p.yaml"), "--storage", storage, "--study-name", "int"]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
     while time.time() < deadline and len(completed_trials(storage, "int:sparsity")) < 1:
