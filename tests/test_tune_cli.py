@@ -97,7 +97,10 @@ def completed_trials(storage: str, study: str) -> list[tuple[int, dict, float]]:
 def test_killed_run_resumes_without_repeating_finished_trials(tmp_path):
     out = tmp_path / "p.yaml"
     storage = str(tmp_path / "study.journal")
-    grid = ["--sparsity-grid", "0.02,0.05,0.1,0.2,0.3"]
+    # Enough grid points that the step is still running when the kill lands, however
+    # slowly this process polls the storage on a loaded machine.
+    points = "0.02,0.03,0.05,0.07,0.1,0.13,0.16,0.2,0.25,0.3,0.35,0.4".split(",")
+    grid = ["--sparsity-grid", ",".join(points)]
     argv = [sys.executable, "-m", "vegas_tune.cli", *FAST, *grid, "--ctx", "2k",
             "--num-prompts", "3", "--out", str(out), "--storage", storage,
             "--study-name", "kill"]
@@ -113,7 +116,7 @@ def test_killed_run_resumes_without_repeating_finished_trials(tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     before = completed_trials(storage, "kill:sparsity")
-    assert 2 <= len(before) < 5
+    assert 2 <= len(before) < len(points)
     fresh = subprocess.run(argv, capture_output=True, text=True, timeout=600)
     assert fresh.returncode == 2 and "--resume" in fresh.stderr  # refuses to overwrite
     resumed = subprocess.run([*argv, "--resume"], capture_output=True, text=True, timeout=600)
@@ -121,7 +124,7 @@ def test_killed_run_resumes_without_repeating_finished_trials(tmp_path):
     after = completed_trials(storage, "kill:sparsity")
     assert set(before) <= set(after)  # finished trials kept as they were
     values = sorted(sparsity for _, sparsity, _ in after)
-    assert values == [0.02, 0.05, 0.1, 0.2, 0.3]  # each grid point measured exactly once
+    assert values == sorted(map(float, points))  # each grid point measured exactly once
     assert out.is_file()
 
 
