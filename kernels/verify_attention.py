@@ -45,9 +45,14 @@ except ImportError:  # CPU-only installs: the reference path is used
 BLOCK_N = 64  # key slots per tile
 MIN_BLOCK_M = 16  # tl.dot needs at least 16 rows
 MIN_HEAD_DIM = 16  # and a reduction of at least 16
-PROGRAMS_PER_SM = 4  # enough programs to keep every SM busy at batch 1
-MERGE_LANES = 16  # splits a merge program reads at once (independent loads in flight)
-MERGE_TILE = 4096  # elements of a merge program's [LANES, rows, D] running sums
+# Split-kernel programs one SM runs at once (by shared memory, at BLOCK_N 64, head dim
+# 128): the split count fills whole waves of them (docs/results/decode-configs-h200.md).
+RESIDENT_PER_SM = 2
+SPLIT_WARPS = 4  # launch options of the split kernels (Triton's defaults)
+SPLIT_STAGES = 3
+MERGE_MAX_LANES = 128  # splits a merge program reads at once (independent loads in flight)
+MERGE_TILE = 4096  # elements of a merge program's [lanes, rows, dims] running sums
+MERGE_MIN_DIMS = 16  # narrowest slice of the head dim one merge program takes
 
 
 def supported(q: torch.Tensor) -> bool:
@@ -57,13 +62,14 @@ def supported(q: torch.Tensor) -> bool:
 
 
 def splits_for(device: torch.device, programs_per_split: int, bound: int) -> int:
-    """Splits of the key range per (sequence, KV head): about PROGRAMS_PER_SM programs
-    per SM, but no more splits than BLOCK_N tiles under the static key bound."""
+    """Splits of the key range per (sequence, KV head): as many as make one whole wave of
+    RESIDENT_PER_SM programs per SM (a partial second wave leaves SMs idle while the
+    last programs run), but no more than the BLOCK_N tiles under the static key bound."""
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
     else:
         sms = 1
-    wanted = math.ceil(PROGRAMS_PER_SM * sms / max(programs_per_split, 1))
+    wanted = RESIDENT_PER_SM * sms // max(programs_per_split, 1)
     return max(1, min(wanted, math.ceil(bound / BLOCK_N)))
 
 
@@ -145,23 +151,25 @@ if triton is not None:
         ACC, MAX, SUM, LIVE, OUT, LSE,
         sa_bh, sa_sp, sa_m, sm_bh, sm_sp, so_b, so_t, so_h, sl_b, sl_t, sl_h,
         H_KV: tl.constexpr, G: tl.constexpr, T: tl.constexpr, D: tl.constexpr,
-        LANES: tl.constexpr, ROWS: tl.constexpr, STORE_LSE: tl.constexpr,
+        LANES: tl.constexpr, ROWS: tl.constexpr, DIMS: tl.constexpr,
+        STORE_LSE: tl.constexpr,
     ):
-        """One program per (sequence * KV head, block of ROWS packed rows). Lane j merges
-        splits j, j + LANES, ... with an element-wise online log-sum-exp (no reduction
-        in the loop, so the LANES loads of a step are in flight together), then the
-        lanes are merged once."""
+        """One program per (sequence * KV head, block of ROWS packed rows, block of DIMS
+        head dims). Lane j merges splits j, j + LANES, ... with an element-wise online
+        log-sum-exp, then the lanes are merged once. LANES covers every split up to
+        MERGE_MAX_LANES, so the loop usually runs once: all loads are in flight together
+        and the merge costs one memory round trip, not one per split."""
         bh = tl.program_id(0)
         rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+        dims = tl.program_id(2) * DIMS + tl.arange(0, DIMS)
         row_ok = rows < G * T
         b = bh // H_KV
         kvh = bh % H_KV
         live = tl.load(LIVE + bh)
         lanes = tl.arange(0, LANES)
-        dims = tl.arange(0, D)
         m_lane = tl.full([LANES, ROWS], float("-inf"), tl.float32)
         l_lane = tl.zeros([LANES, ROWS], tl.float32)
-        acc_lane = tl.zeros([LANES, ROWS, D], tl.float32)
+        acc_lane = tl.zeros([LANES, ROWS, DIMS], tl.float32)
         for s0 in range(0, live, LANES):
             split = s0 + lanes
             ok = (split[:, None] < live) & row_ok[None, :]  # [LANES, ROWS]
@@ -182,7 +190,7 @@ if triton is not None:
         top_safe = tl.where(top == float("-inf"), 0.0, top)
         scale = tl.exp(m_lane - top_safe[None, :])
         total = tl.sum(l_lane * scale, axis=0)
-        acc = tl.sum(acc_lane * scale[:, :, None], axis=0)  # [ROWS, D]
+        acc = tl.sum(acc_lane * scale[:, :, None], axis=0)  # [ROWS, DIMS]
         seen = total > 0.0
         out = acc / tl.where(seen, total, 1.0)[:, None]  # a row that sees nothing: 0, not NaN
         head = kvh * G + rows // T
@@ -190,8 +198,10 @@ if triton is not None:
         tl.store(OUT + b * so_b + trow[:, None] * so_t + head[:, None] * so_h + dims[None, :],
                  out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
         if STORE_LSE:
-            lse = tl.where(seen, top_safe + tl.log(tl.where(seen, total, 1.0)), float("-inf"))
-            tl.store(LSE + b * sl_b + trow * sl_t + head * sl_h, lse, mask=row_ok)
+            if tl.program_id(2) == 0:
+                lse = tl.where(seen, top_safe + tl.log(tl.where(seen, total, 1.0)),
+                               float("-inf"))
+                tl.store(LSE + b * sl_b + trow * sl_t + head * sl_h, lse, mask=row_ok)
 
     @triton.jit
     def _verify_tile(q, k_head, v_head, scores_head, n0, end, pos, weight, row_ok,
@@ -300,16 +310,19 @@ def merge_partials(partials, out: torch.Tensor, lse: torch.Tensor | None, h_kv: 
                    g: int, t: int) -> None:
     """Merge ``split_buffers`` into out [B, T, H, D] and, when given, lse [B, T, H]."""
     acc, maxes, sums, live = partials
-    bh, _, rows, d = acc.shape
-    # As many rows per program as keep the LANES x ROWS x D tile within budget.
-    block = max(1, min(triton.next_power_of_2(rows), MERGE_TILE // (MERGE_LANES * d)))
+    bh, splits, rows, d = acc.shape
+    # A lane per split (up to the cap), then as much of the head dim and as many rows as
+    # keep the lanes x rows x dims tile within budget: more, smaller programs at batch 1.
+    lanes = min(triton.next_power_of_2(splits), MERGE_MAX_LANES)
+    dims = min(d, max(MERGE_MIN_DIMS, MERGE_TILE // lanes))
+    block = max(1, min(triton.next_power_of_2(rows), MERGE_TILE // (lanes * dims)))
     lse_arg = lse if lse is not None else out  # unused placeholder pointer
     lse_strides = lse.stride() if lse is not None else (0, 0, 0)
-    _merge_kernel[(bh, triton.cdiv(rows, block))](
+    _merge_kernel[(bh, triton.cdiv(rows, block), d // dims)](
         acc, maxes, sums, live, out, lse_arg,
         acc.stride(0), acc.stride(1), acc.stride(2), maxes.stride(0), maxes.stride(1),
         out.stride(0), out.stride(1), out.stride(2), *lse_strides,
-        H_KV=h_kv, G=g, T=t, D=d, LANES=MERGE_LANES, ROWS=block,
+        H_KV=h_kv, G=g, T=t, D=d, LANES=lanes, ROWS=block, DIMS=dims,
         STORE_LSE=lse is not None,
     )
 
@@ -358,6 +371,7 @@ def verify_attention(q, k, v, positions, kv_len: int, row_weights=None, *, score
         kv_len, splits, 1.0 / math.sqrt(d),
         H_KV=h_kv, G=g, T=t, D=d, BLOCK_M=block_rows(g * t), BLOCK_N=BLOCK_N,
         COLLECT=collect, IEEE=q.dtype == torch.float32,
+        num_warps=SPLIT_WARPS, num_stages=SPLIT_STAGES,
     )
     out = torch.empty(b, t, h, d, device=dev, dtype=q.dtype)
     lse = torch.empty(b, t, h, device=dev, dtype=torch.float32)

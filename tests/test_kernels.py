@@ -18,7 +18,8 @@ triton = pytest.importorskip("triton", reason="Triton is optional on CPU-only in
 
 from kernels.collect_scores import (COLLECT_TILES, collect_scores,  # noqa: E402
                                     reference_collect_scores)
-from kernels.verify_attention import BLOCK_N  # noqa: E402
+import kernels.verify_attention as verify_module  # noqa: E402
+from kernels.verify_attention import BLOCK_N, merge_partials, split_buffers  # noqa: E402
 from kernels.sparse_attention import reference_sparse_attention, sparse_attention  # noqa: E402
 from kernels.verify_attention import reference_verify_attention, verify_attention  # noqa: E402
 
@@ -147,6 +148,40 @@ def test_verify_attention_scattered_rows():
     torch.testing.assert_close(lse[seen].double(), ref_lse[seen], atol=tol, rtol=tol)
     assert (out[~seen] == 0).all() and (lse[~seen] == float("-inf")).all()
     assert_prefix_close(scores, ref_scores, [300, 201], tol)
+
+
+@pytest.mark.parametrize("max_lanes, tile", [
+    (128, 4096),  # the shipped budget: one lane per split, whole head dim, all rows
+    (4, 64),  # three lane steps, the head dim in slices of 16, one row per program
+])
+def test_merge_partials_is_logsumexp_of_live_splits(monkeypatch, max_lanes, tile):
+    monkeypatch.setattr(verify_module, "MERGE_MAX_LANES", max_lanes)
+    monkeypatch.setattr(verify_module, "MERGE_TILE", tile)
+    b, h_kv, g, t, d, splits = 2, 2, 3, 2, 32, 11
+    acc, maxes, sums, live = split_buffers(b, h_kv, splits, g * t, d, DEVICE)
+    acc.copy_(randn(*acc.shape, dtype=torch.float32, seed=1))
+    maxes.copy_(4 * randn(*maxes.shape, dtype=torch.float32, seed=2))
+    sums.copy_(randn(*sums.shape, dtype=torch.float32, seed=3).abs() + 0.1)
+    live.copy_(torch.tensor([11, 5, 1, 0], dtype=torch.int32))  # no live split: nothing seen
+    out = torch.empty(b, t, g * h_kv, d, device=DEVICE)
+    lse = torch.empty(b, t, g * h_kv, device=DEVICE)
+    merge_partials((acc, maxes, sums, live), out, lse, h_kv, g, t)
+
+    ref_out = torch.zeros(b * h_kv, g * t, d, dtype=torch.float64)
+    ref_lse = torch.full((b * h_kv, g * t), float("-inf"), dtype=torch.float64)
+    for bh, n in enumerate(live.tolist()):
+        if n:
+            m, l, a = maxes[bh, :n].double(), sums[bh, :n].double(), acc[bh, :n].double()
+            top = m.max(dim=0).values  # [rows]
+            scale = torch.exp(m - top)  # [splits, rows]
+            total = (l * scale).sum(dim=0)
+            ref_out[bh] = (a * scale[..., None]).sum(dim=0) / total[:, None]
+            ref_lse[bh] = top + total.log()
+    # packed row r of (sequence, KV head) is head kvh * G + r // T, window row r % T
+    ref_out = ref_out.view(b, h_kv, g, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, g * h_kv, d)
+    ref_lse = ref_lse.view(b, h_kv, g, t).permute(0, 3, 1, 2).reshape(b, t, g * h_kv)
+    torch.testing.assert_close(out.double().cpu(), ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double().cpu(), ref_lse, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
