@@ -357,3 +357,22 @@ def test_documented_example_is_a_valid_profile():
     example = re.search(r"## Example\n\n```yaml\n(.*?)```", doc, re.S).group(1)
     profile = profile_from_dict(yaml.safe_load(example), source="docs/profile-format.md")
     assert profile.exports == build_exports(profile.model.id, profile.tuned)
+
+
+@pytest.mark.parametrize("head, status, expected", [
+    ("0ef4112" * 5 + "aaaaa", "", "0ef4112" * 5 + "aaaaa"),
+    ("0ef4112" * 5 + "aaaaa", " M kernels/verify_attention.py", "0ef4112" * 5 + "aaaaa+dirty"),
+    (None, "", None),  # not a checkout
+])
+def test_git_revision_marks_uncommitted_changes(monkeypatch, head, status, expected):
+    import subprocess
+
+    from vegas_tune import pipeline
+
+    def fake_run(args, **kwargs):
+        if args[1] == "rev-parse":
+            return subprocess.CompletedProcess(args, 0 if head else 128, (head or "") + "\n", "")
+        return subprocess.CompletedProcess(args, 0, status + "\n" if status else "", "")
+
+    monkeypatch.setattr(pipeline.subprocess, "run", fake_run)
+    assert pipeline.git_revision() == expected

@@ -71,12 +71,23 @@ def weights_sha256(path: Path | None) -> str | None:
 
 
 def git_revision() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                             cwd=Path(__file__).resolve().parent, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
+    """HEAD of the checkout this code runs from, with "+dirty" when tracked files differ
+    from it (the profile was then made by code no commit holds); None outside a checkout."""
+    here = Path(__file__).resolve().parent
+
+    def git(*args: str) -> str | None:
+        try:
+            out = subprocess.run(["git", *args], capture_output=True, text=True, cwd=here,
+                                 timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return out.stdout.strip() if out.returncode == 0 else None
+
+    head = git("rev-parse", "HEAD")
+    if not head:
         return None
-    return out.stdout.strip() or None if out.returncode == 0 else None
+    changes = git("status", "--porcelain", "--untracked-files=no")
+    return head + "+dirty" if changes else head
 
 
 def default_out(settings: TuneSettings, hardware: dict) -> Path:
