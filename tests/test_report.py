@@ -176,3 +176,34 @@ def test_report_says_plainly_when_nothing_beat_vanilla(tmp_path):
     assert "no configuration beat vanilla decoding" in text
     assert "**Recommended**" not in text
     assert "(0.90x)" in text
+
+
+def test_report_of_a_rerun_says_what_changed_from_the_profile_it_replaced(tmp_path):
+    import copy
+
+    old = make_profile(recommended=False)
+    old["tuned"]["gamma"] = 2
+    old["results"].update(tokens_per_second=30.5, vanilla_tokens_per_second=38.5,
+                          speedup=0.79, selection_overhead=0.012)
+    old["provenance"].update(engine_path="pytorch-reference", git_revision="0ef4112",
+                             started="2026-11-01T00:00:00+00:00")
+    new = make_profile()
+    text = write_report(new, TRIALS, tmp_path / "r.md", {}, previous=old).read_text()
+    section = text.split("## Changes from the previous profile")[1].split("\n## ")[0]
+    assert "made 2026-11-01T00:00:00+00:00 (git 0ef4112)" in section
+    assert "| tuned.gamma | 2 | 6 |" in section
+    assert "| results.tokens_per_second | 30.5 | 141.2 |" in section
+    assert "| results.selection_overhead | 1.2% | 4.2% |" in section
+    assert "| provenance.engine_path | pytorch-reference | triton |" in section
+    assert "| recommended | False | True |" in section
+    assert "tuned.sparsity_ratio" not in section  # unchanged fields are left out
+    assert "Not like for like" not in section
+
+    other_ctx = copy.deepcopy(new)
+    other_ctx["workload"]["ctx"] = 4096
+    text = write_report(new, TRIALS, tmp_path / "r.md", {}, previous=other_ctx).read_text()
+    assert "Not like for like: workload.ctx (4096 -> 8192)." in text
+    assert "Nothing changed in the tuned values or the results." in text
+
+    plain = write_report(new, TRIALS, tmp_path / "r.md", {}).read_text()
+    assert "Changes from the previous profile" not in plain

@@ -165,6 +165,21 @@ def test_nothing_beats_vanilla_exits_3_with_recommended_false(tmp_path, monkeypa
     assert code == 3
     assert yaml.safe_load(out.read_text())["recommended"] is False
     assert "NOT recommended" in err
+    report = tmp_path / "p.report.md"
+    assert "Changes from the previous profile" not in report.read_text()
+
+    # Re-tuned into the same file (a fresh study): the report compares with the profile
+    # it replaced, here a faster speculative configuration and the recommendation.
+    def faster(self, spec, report=None):
+        return fake_measurement(150.0 if spec is not None else 100.0)
+
+    monkeypatch.setattr("vegas_tune.measure.Measurer.measure", faster)
+    code, _, _ = run([*FAST, "--out", str(out), "--storage", str(tmp_path / "again.journal")],
+                     capsys)
+    assert code == 0
+    changes = report.read_text().split("## Changes from the previous profile")[1]
+    assert "| recommended | False | True |" in changes
+    assert "| results.speedup | 0.50 | 1.50 |" in changes
 
 
 def test_out_of_memory_trial_is_recorded_and_tuning_goes_on(tmp_path, monkeypatch, capsys):

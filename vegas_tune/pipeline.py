@@ -20,7 +20,8 @@ from vegas_tune.datasets import dataset_fingerprint, load_prompts
 from vegas_tune.export import build_exports
 from vegas_tune.hardware import fingerprint, gpu_slug
 from vegas_tune.measure import Measurer, Workload
-from vegas_tune.profile import Tuned, profile_from_dict, profile_to_dict, write_profile
+from vegas_tune.profile import (Tuned, load_profile, profile_from_dict, profile_to_dict,
+                                write_profile)
 from vegas_tune.report import (plot_acceptance_vs_sparsity, plot_throughput_vs_gamma,
                                write_report, write_trials_table)
 from vegas_tune.tuner import TuneOptions, Tuner, ctx_label
@@ -163,8 +164,9 @@ def run_tune(settings: TuneSettings, progress=None) -> tuple[dict, int]:
                                  Tuned(**tuned)).model_dump(),
     }
     validated = profile_from_dict(profile, source=str(out))
+    previous = previous_profile(out)
     write_profile(validated, out)
-    paths = write_artifacts(profile_to_dict(validated), result, stem)
+    paths = write_artifacts(profile_to_dict(validated), result, stem, previous)
     paths["profile"] = str(out)
     paths["storage"] = storage
     summary = {"profile": str(out), "recommended": recommended, "tuned": tuned,
@@ -172,8 +174,22 @@ def run_tune(settings: TuneSettings, progress=None) -> tuple[dict, int]:
     return summary, 0 if recommended else EXIT_NOT_RECOMMENDED
 
 
-def write_artifacts(profile: dict, result, stem: Path) -> dict[str, str]:
-    """The trials table, the two plots and the Markdown report beside the profile."""
+def previous_profile(out: Path) -> dict | None:
+    """The profile a run is about to replace at ``out``, for its report to say what
+    changed; None when there is none or it does not load (it is replaced all the same)."""
+    if not out.exists():
+        return None
+    try:
+        return profile_to_dict(load_profile(out))
+    except VegasError as error:
+        log.warning("not comparing with the profile being replaced: %s", error)
+        return None
+
+
+def write_artifacts(profile: dict, result, stem: Path,
+                    previous: dict | None = None) -> dict[str, str]:
+    """The trials table, the two plots and the Markdown report beside the profile
+    (comparing with ``previous``, the profile replaced, when given)."""
     trials_path = write_trials_table(result.trials, stem.with_suffix(".trials.csv"))
     acceptance = stem.with_suffix(".acceptance.png")
     chosen_sparsity = next(s.chosen["sparsity"] for s in result.steps if s.name == "sparsity")
@@ -184,6 +200,6 @@ def write_artifacts(profile: dict, result, stem: Path) -> dict[str, str]:
     plot_throughput_vs_gamma(predictions, throughput, chosen=chosen_gamma)
     report = write_report(profile, result.trials, stem.with_suffix(".report.md"),
                           {"acceptance vs sparsity": acceptance.name,
-                           "throughput vs gamma": throughput.name})
+                           "throughput vs gamma": throughput.name}, previous=previous)
     return {"trials": str(trials_path), "acceptance_plot": str(acceptance),
             "throughput_plot": str(throughput), "report": str(report)}

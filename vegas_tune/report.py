@@ -163,18 +163,21 @@ def _finish(figure, axes, path) -> None:
 
 # --- Markdown report -----------------------------------------------------------------
 
-def write_report(profile: dict, trials: list[dict], path, images: dict[str, str]) -> Path:
+def write_report(profile: dict, trials: list[dict], path, images: dict[str, str],
+                 previous: dict | None = None) -> Path:
     """Write a short Markdown report of a tuning run to ``path`` and return the path.
 
     ``profile`` is the tuned profile (``recommended``, ``tuned``, ``model``,
     ``workload``, ``hardware``, ``results``, ``steps``, ``provenance``); ``trials`` the
     rows of ``write_trials_table``; ``images`` maps a caption to an image path, linked
-    relative to the report's folder. Missing fields read "n/a".
+    relative to the report's folder; ``previous``, the profile this run replaces, adds a
+    section on what changed. Missing fields read "n/a".
     """
     path = Path(path)
     sections = [
         _title(profile),
         _summary(profile),
+        _changes(profile, previous),
         _workload(profile.get("workload") or {}),
         _steps_table(profile.get("steps") or []),
         _predictions_tables(profile.get("steps") or []),
@@ -186,6 +189,61 @@ def write_report(profile: dict, trials: list[dict], path, images: dict[str, str]
     text = "\n\n".join(s for s in sections if s) + "\n"
     _atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
     return path
+
+
+# What a re-run's report compares with the profile it replaces: the choice, the headline
+# results, and what it ran on and with.
+_CHANGE_FIELDS = (
+    ("recommended", None),
+    *((f"tuned.{k}", None) for k in ("drafter", "gamma", "sparsity_ratio", "min_tokens",
+                                         "collect", "score", "granularity", "window")),
+    ("results.tokens_per_second", ".1f"), ("results.vanilla_tokens_per_second", ".1f"),
+    ("results.streaming_tokens_per_second", ".1f"), ("results.speedup", ".2f"),
+    ("results.speedup_over_streaming", ".2f"), ("results.mean_accepted_length", ".2f"),
+    ("results.selection_overhead", "percent"),
+    ("provenance.engine_path", None), ("provenance.git_revision", None),
+    ("hardware.torch", None), ("hardware.triton", None),
+)
+# Differences here make the two runs measure different things, not one thing better.
+_LIKE_FOR_LIKE = ("model.id", "model.dtype", "model.weights_sha256", "workload.ctx",
+                  "workload.batch_size", "workload.max_new_tokens", "workload.temperature",
+                  "workload.dataset_sha256", "workload.num_prompts", "hardware.gpu_name",
+                  "hardware.gpu_count")
+
+
+def _field(profile: dict, dotted: str):
+    value = profile
+    for key in dotted.split("."):
+        value = (value or {}).get(key) if isinstance(value, dict) else None
+    return value
+
+
+def _changes(profile: dict, previous: dict | None) -> str:
+    if previous is None:
+        return ""
+    old_run = previous.get("provenance") or {}
+    lines = ["## Changes from the previous profile", "",
+             f"This run replaced a profile made {old_run.get('started') or MISSING} "
+             f"(git {old_run.get('git_revision') or MISSING}).", ""]
+    unlike = [f"{f} ({_field(previous, f)} -> {_field(profile, f)})" for f in _LIKE_FOR_LIKE
+              if _field(previous, f) != _field(profile, f)]
+    if unlike:
+        lines += ["Not like for like: " + "; ".join(unlike) + ".", ""]
+    rows = []
+    for name, spec in _CHANGE_FIELDS:
+        before, after = _field(previous, name), _field(profile, name)
+        if before == after:
+            continue
+        if spec == "percent":
+            cells = [_percent(before), _percent(after)]
+        elif spec:
+            cells = [_num(before, spec), _num(after, spec)]
+        else:
+            cells = [_cell(before), _cell(after)]
+        rows.append([name, *cells])
+    if not rows:
+        return "\n".join(lines + ["Nothing changed in the tuned values or the results."])
+    return "\n".join(lines) + "\n" + _table(["field", "before", "after"], rows)
 
 
 def _title(profile: dict) -> str:
