@@ -13,6 +13,7 @@ the winner is what ``kernels/verify_attention.py`` should ship.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import shlex
 import sys
@@ -24,6 +25,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kernels.verify_attention as va  # noqa: E402
 from bench.kernels import SHAPES, copy_bandwidth, median_us  # noqa: E402
+
+
+@contextlib.contextmanager
+def launch_constants(**constants):
+    """``kernels.verify_attention``'s module constants set for the block, then restored
+    (also when the block fails)."""
+    saved = {name: getattr(va, name) for name in constants}
+    for name, value in constants.items():
+        setattr(va, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(va, name, value)
 
 
 def checked(q, k, v, pos, ctx) -> float:
@@ -42,13 +57,9 @@ def merge_only_us(batch, kv_heads, heads, dim, rows, splits, max_lanes=None) -> 
     live.fill_(splits)
     out = torch.empty(batch, rows, heads, dim, device="cuda", dtype=torch.bfloat16)
     lse = torch.empty(batch, rows, heads, device="cuda")
-    shipped = va.MERGE_MAX_LANES
-    va.MERGE_MAX_LANES = max_lanes or shipped
-    try:
+    with launch_constants(MERGE_MAX_LANES=max_lanes or va.MERGE_MAX_LANES):
         return median_us(lambda: va.merge_partials((acc, maxes, sums, live), out, lse,
                                                    kv_heads, g, rows))
-    finally:
-        va.MERGE_MAX_LANES = shipped
 
 
 def main() -> None:
@@ -104,40 +115,40 @@ def main() -> None:
         pos1 = posv[:, -1:].contiguous()
         floor_us = 2 * k.numel() * k.element_size() / bandwidth * 1e6
         best = None
-        for pps, bn, warps, stages in itertools.product(args.resident_per_sm, args.block_n,
-                                                        args.warps, args.stages):
-            va.RESIDENT_PER_SM, va.BLOCK_N, va.SPLIT_WARPS, va.SPLIT_STAGES = pps, bn, warps, stages
-            splits = va.splits_for(torch.device("cuda"), batch * kv_heads, ctx)
-            try:
-                err = checked(q1[:2], k[:2, :, :4096], v[:2, :, :4096], pos1[:2] - ctx + 4096,
-                              4096)
-                decode = median_us(lambda: va.verify_attention(q1, k, v, pos1, ctx))
-                verify = median_us(lambda: va.verify_attention(qv, k, v, posv, ctx))
-                merge = merge_only_us(batch, kv_heads, heads, dim, 1, splits)
-            except Exception as exc:  # e.g. out of shared memory for a wide tile
-                lines.append(f"| {ctx} | {batch} | {pps} | {bn} | {warps} | {stages} | {splits} "
-                             f"| failed: {type(exc).__name__} | | | | | |")
-                print(lines[-1], flush=True)
-                continue
-            lines.append(f"| {ctx} | {batch} | {pps} | {bn} | {warps} | {stages} | {splits} | "
-                         f"{decode:.1f} | {decode / floor_us:.2f} | {verify:.1f} | "
-                         f"{verify / decode:.2f} | {merge:.1f} | {err:.1e} |")
+        for resident, bn, warps, stages in itertools.product(
+                args.resident_per_sm, args.block_n, args.warps, args.stages):
+            row = f"| {ctx} | {batch} | {resident} | {bn} | {warps} | {stages} |"
+            with launch_constants(RESIDENT_PER_SM=resident, BLOCK_N=bn, SPLIT_WARPS=warps,
+                                  SPLIT_STAGES=stages):
+                splits = va.splits_for(torch.device("cuda"), batch * kv_heads, ctx)
+                try:
+                    err = checked(q1[:2], k[:2, :, :4096], v[:2, :, :4096],
+                                  pos1[:2] - ctx + 4096, 4096)
+                    decode = median_us(lambda: va.verify_attention(q1, k, v, pos1, ctx))
+                    verify = median_us(lambda: va.verify_attention(qv, k, v, posv, ctx))
+                    merge = merge_only_us(batch, kv_heads, heads, dim, 1, splits)
+                except Exception as exc:  # e.g. out of shared memory for a wide tile
+                    lines.append(f"{row} {splits} | failed: {type(exc).__name__} | | | | | |")
+                    print(lines[-1], flush=True)
+                    continue
+            lines.append(f"{row} {splits} | {decode:.1f} | {decode / floor_us:.2f} | "
+                         f"{verify:.1f} | {verify / decode:.2f} | {merge:.1f} | {err:.1e} |")
             print(lines[-1], flush=True)
             flush()
             if best is None or decode < best[0]:
-                best = (decode, pps, bn, warps, stages)
-        lines.append(f"| {ctx} | {batch} | **best** {best[1:]} | | | | | **{best[0]:.1f}** | "
-                     f"**{best[0] / floor_us:.2f}** | | | | |")
-        va.RESIDENT_PER_SM, va.BLOCK_N, va.SPLIT_WARPS, va.SPLIT_STAGES = shipped
-        splits = va.splits_for(torch.device("cuda"), batch * kv_heads, ctx)
-        merges = ", ".join(f"{lanes} lanes {merge_only_us(batch, kv_heads, heads, dim, 1, splits, lanes):.1f}"
-                           for lanes in args.merge_lanes)
+                best = (decode, resident, bn, warps, stages)
+        if best is not None:
+            lines.append(f"| {ctx} | {batch} | **best** {best[1:]} | | | | | "
+                         f"**{best[0]:.1f}** | **{best[0] / floor_us:.2f}** | | | | |")
+        splits = va.splits_for(torch.device("cuda"), batch * kv_heads, ctx)  # shipped
+        merges = ", ".join(
+            f"{lanes} lanes {merge_only_us(batch, kv_heads, heads, dim, 1, splits, lanes):.1f}"
+            for lanes in args.merge_lanes)
         lines.append(f"| {ctx} | {batch} | merge alone at {splits} splits, by lane cap: {merges} "
                      "| | | | | | | | | | |")
         flush()
         k = v = qv = q1 = None  # free the cache before the next shape
         torch.cuda.empty_cache()
-    va.RESIDENT_PER_SM, va.BLOCK_N, va.SPLIT_WARPS, va.SPLIT_STAGES = shipped
     print("\n".join(lines))
 
 

@@ -212,9 +212,10 @@ _LIKE_FOR_LIKE = ("model.id", "model.dtype", "model.weights_sha256", "workload.c
 
 
 def _field(profile: dict, dotted: str):
+    """profile["a"]["b"] for "a.b"; None where a level is missing."""
     value = profile
     for key in dotted.split("."):
-        value = (value or {}).get(key) if isinstance(value, dict) else None
+        value = value.get(key) if isinstance(value, dict) else None
     return value
 
 
