@@ -1,36 +1,38 @@
 """End-to-end decode throughput of vanilla and self-speculative decoding, and greedy match.
 
-For each batch size, on the same long embedded prompts: vanilla greedy decoding, then
-each drafter (default vegas and streaming) at the same gamma and budget. Every
-(batch, method) gets an untimed warm-up generate (Triton compiles, cuBLAS picks its
-kernels) and then timed runs. A ``PrefixCache`` holds the prompts' K/V, so the long
-prefill (PyTorch reference attention) is computed once per prompt and every method
-starts from the same prompt K/V.
+For each batch size, on the same long embedded prompts (the tuner's workload for the same
+dataset, ctx and number of prompts): vanilla greedy decoding, then each drafter (default
+vegas and streaming) at the same gamma and budget. Every (batch, method) gets an untimed
+warm-up generate (Triton compiles, CUDA graphs are captured and kept with the model's
+workspace) and then a timed run. The prompts are prefilled once per batch size: the
+workspace's cache remembers which prompt each row holds, so later methods reuse it.
 
-Measured per (batch, method):
+Measured per (batch, method), from one timed ``generate``:
 
-- decode tokens/s of the timed run (``stats.tokens_per_second``, prefill excluded) and
-  its speedup over vanilla at the same batch, measured in the same process;
-- optionally (``--short-tokens N``) a steady-state figure that checks no per-call cost
-  is left in the decode time: the engine keeps each batch size's cache and captured
-  CUDA graphs across calls (``vegas_core.graphs.Workspace``), so the warm-up pays for
-  capture; a second, shorter timed run gives
-  (decode tokens long - short) / (decode seconds long - short);
+- steady tok/s: tokens over the iterations in which every sequence of the batch is
+  still decoding (``GenerationStats.steady_tokens_per_second``): the rate of a server
+  whose finished sequences are replaced at once, and the tuner's objective;
+- completion tok/s: the batch decoded to completion (``tokens_per_second``): the last
+  iterations run with the batch partly idle, which a server would not do;
+- speedups over vanilla at the same batch, measured in the same process;
 - speculative runs: mean accepted length, iterations and the draft, verify and
-  selection seconds (CUDA events), selection time / decode time.
+  selection seconds (CUDA events), selection time / decode time;
+- with ``--compare-tuner``: the same configuration measured by the tuner's
+  ``Measurer`` on the same prompts, and its ratio to this tool's steady figure.
 
 Greedy match: each speculative run's tokens against vanilla's at the same batch, per
 sequence (identical leading tokens; whole sequence identical). For every sequence, one
-forward over the prompt (from the prefix cache) and vanilla's tokens gives the top-2
-logit margin at each generated position; at a sequence's first divergence the report
-gives that margin, the speculative token's rank and logit gap under it, and where the
-margin falls among the sequence's margins. Claim checked: in bf16, divergences happen
-only at near-ties (the batched verify rows and the one-row decode round differently).
+forward over the prompt and vanilla's tokens gives the top-2 logit margin at each
+generated position; at a sequence's first divergence the report gives that margin, the
+speculative token's rank and logit gap under it, and where the margin falls among the
+sequence's margins. Claim checked: in bf16, divergences happen only at near-ties (the
+batched verify rows and the one-row decode round differently).
 
 Writes OUT.md (hardware, versions, command, tables) and OUT.json (raw rows, tokens
 included); both are rewritten after every batch, so a run cut short leaves its rows.
 
-    python bench/end_to_end.py --device cuda --dtype bfloat16 --out docs/results/end-to-end-h200
+    python bench/end_to_end.py --device cuda --dtype bfloat16 --batch 1 16 64 128 256 \
+        --out docs/results/end-to-end-h200
 """
 
 from __future__ import annotations
@@ -52,9 +54,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.acceptance import hardware, write_atomic  # noqa: E402
 from vegas_core import SpecConfig, VegasError, generate, load_model  # noqa: E402
 from vegas_core.attention import AttentionMeta, attention_backend  # noqa: E402
-from vegas_core.generation import PrefixCache, prefill  # noqa: E402
+from vegas_core.prefill import prefill  # noqa: E402
 from vegas_core.spec_config import DRAFTERS  # noqa: E402
-from vegas_tune.datasets import EMBEDDED_DATASETS, embedded_prompts  # noqa: E402
+from vegas_tune.datasets import EMBEDDED_DATASETS, load_prompts  # noqa: E402
+from vegas_tune.measure import Measurer, Workload  # noqa: E402
 
 T0 = time.perf_counter()
 
@@ -102,57 +105,52 @@ def prefill_progress(label: str):
 # --- throughput ------------------------------------------------------------------------
 
 
-def run_method(model, ids: list[list[int]], method: str, args, cache: PrefixCache,
-               batch: int) -> tuple[dict, list[list[int]]]:
+def run_method(model, prompts, method: str, args, batch: int
+               ) -> tuple[dict, list[list[int]]]:
     spec = None if method == "vanilla" else SpecConfig(
         drafter=method, gamma=args.gamma, sparsity=args.sparsity, min_tokens=args.min_tokens)
     label = f"b={batch} {method}"
+    ids = [p.ids for p in prompts]
 
     def gen(n: int, progress=None):
-        result = generate(model, ids, n, spec=spec, ignore_eos=True, prefix_cache=cache,
-                          progress=progress)
-        free_memory(model.device)
-        return result
+        return generate(model, ids, n, spec=spec, ignore_eos=True, progress=progress)
 
     t = time.perf_counter()
     warm = gen(args.warmup_tokens, prefill_progress(label))
     log(f"{label}: warm-up {time.perf_counter() - t:.1f}s "
         f"(prefill {warm.stats.prefill_seconds:.2f}s, decode {warm.stats.decode_seconds:.2f}s)")
-    short = gen(args.short_tokens) if args.short_tokens else None
     result = gen(args.max_new_tokens)
     s = result.stats
     row = dict(
         batch=batch, method=method, max_new_tokens=args.max_new_tokens,
         decode_tokens=s.decode_tokens, decode_seconds=s.decode_seconds,
         tokens_per_second=s.tokens_per_second, prefill_seconds=s.prefill_seconds,
+        iterations=s.iterations, steady_iterations=s.steady_iterations,
+        steady_tokens=s.steady_tokens, steady_seconds=s.steady_seconds,
+        steady_tokens_per_second=s.steady_tokens_per_second,
         warmup_prefill_seconds=warm.stats.prefill_seconds,
         warmup_decode_seconds=warm.stats.decode_seconds,
-        short_tokens=args.short_tokens or None, short_decode_tokens=None,
-        short_decode_seconds=None, steady_tokens_per_second=None,
     )
-    if short is not None:
-        row.update(short_decode_tokens=short.stats.decode_tokens,
-                   short_decode_seconds=short.stats.decode_seconds,
-                   # Greedy runs repeat themselves: the short run's tokens lead the long one's.
-                   short_is_prefix=all(t[: len(u)] == u
-                                       for t, u in zip(result.tokens, short.tokens)))
-        dt = s.decode_seconds - short.stats.decode_seconds
-        dn = s.decode_tokens - short.stats.decode_tokens
-        if dt > 0 and dn > 0:
-            row["steady_tokens_per_second"] = dn / dt
     if spec is not None:
         row.update(
             spec=spec.to_dict(), mean_accepted_length=s.mean_accepted_length,
-            acceptance_by_position=s.acceptance_by_position, iterations=s.iterations,
+            acceptance_by_position=s.acceptance_by_position,
             draft_seconds=s.draft_seconds, verify_seconds=s.verify_seconds,
             selection_seconds=s.selection_seconds, selection_overhead=s.selection_overhead,
         )
-        if short is not None:
-            row["short_mean_accepted_length"] = short.stats.mean_accepted_length
+    free_memory(model.device)
+    if args.compare_tuner:
+        workload = Workload(prompts, batch, args.max_new_tokens)
+        m = Measurer(model, workload).measure(spec)
+        row.update(tuner_tokens_per_second=m.tokens_per_second,
+                   tuner_wall_seconds=m.wall_seconds, tuner_decode_seconds=m.decode_seconds)
+        free_memory(model.device)
     steady = row["steady_tokens_per_second"]
-    log(f"{label}: {rate(s.tokens_per_second)} tok/s over {s.decode_seconds:.3f}s"
-        + (f", steady {rate(steady)} tok/s" if steady else "")
-        + (f", mal {s.mean_accepted_length:.2f}" if spec is not None else ""))
+    log(f"{label}: steady {rate(steady)} tok/s, to completion {rate(s.tokens_per_second)} "
+        f"tok/s over {s.decode_seconds:.3f}s"
+        + (f", mal {s.mean_accepted_length:.2f}" if spec is not None else "")
+        + (f"; tuner {rate(row['tuner_tokens_per_second'])} tok/s" if args.compare_tuner
+           else ""))
     return row, result.tokens
 
 
@@ -160,25 +158,23 @@ def run_method(model, ids: list[list[int]], method: str, args, cache: PrefixCach
 
 
 @torch.inference_mode()
-def vanilla_logits(model, prompt: list[int], generated: list[int],
-                   cache: PrefixCache) -> torch.Tensor:
+def vanilla_logits(model, prompt: list[int], generated: list[int]) -> torch.Tensor:
     """[len(generated), V] float32 logits that chose each generated token: the prompt's
-    last row (prefill, from the prefix cache) and one forward over generated[:-1]."""
+    last row (prefill) and one forward over generated[:-1]."""
     net, dev = model.net, model.device
     n, length = len(prompt), len(generated)
     kv = net.new_cache(1, n + length)
-    rows = [net.logits(prefill(model, [prompt], kv, reuse=cache))]  # [1, V]
+    rows = [net.logits(prefill(model, [prompt], kv))]  # [1, V]
     if length > 1:
         tokens = torch.tensor([generated[:-1]], dtype=torch.long, device=dev)
-        positions = torch.arange(n, n + length - 1, device=dev)[None]  # [1, T]
-        hidden = net(tokens, positions, kv,
-                     AttentionMeta.full(positions, n + length - 1, model.config.sliding_window))
+        meta = AttentionMeta.prefill(1, n, n + length - 1, dev, model.config.sliding_window)
+        hidden = net(tokens, meta.positions, kv, meta)
         rows.append(net.logits(hidden[0]))
     return torch.cat(rows)
 
 
-def margin_profile(model, prompt: list[int], generated: list[int], cache: PrefixCache) -> dict:
-    logits = vanilla_logits(model, prompt, generated, cache)
+def margin_profile(model, prompt: list[int], generated: list[int]) -> dict:
+    logits = vanilla_logits(model, prompt, generated)
     top = logits.topk(2, dim=-1)
     margins = (top.values[:, 0] - top.values[:, 1]).tolist()
     return dict(logits=logits, margins=margins, top1=top.indices[:, 0].tolist(),
@@ -193,14 +189,14 @@ def leading_match(a: list[int], b: list[int]) -> int:
 
 
 def analyse_matches(model, prompts, tokens: dict[str, list[list[int]]], batch: int,
-                    cache: PrefixCache, args) -> tuple[list[dict], list[dict]]:
+                    args) -> tuple[list[dict], list[dict]]:
     """-> (one row per (method, sequence), one row per vanilla sequence's margins)."""
     vanilla = tokens["vanilla"]
     profiles: dict[int, dict] = {}
 
     def profile(b: int) -> dict:
         if b not in profiles:
-            profiles[b] = margin_profile(model, prompts[b].ids, vanilla[b], cache)
+            profiles[b] = margin_profile(model, prompts[b].ids, vanilla[b])
         return profiles[b]
 
     if args.margins == "all":
@@ -273,6 +269,7 @@ def summarize(data: dict) -> str:
     meta, a = data["meta"], data["meta"]["args"]
     runs, matches, margins = data["runs"], data["matches"], data["margins"]
     by_key = {(r["batch"], r["method"]): r for r in runs}
+    tuner = any("tuner_tokens_per_second" in r for r in runs)
     lines = [
         "# End-to-end decode: vanilla vs self-speculative",
         "",
@@ -287,22 +284,21 @@ def summarize(data: dict) -> str:
         f"- Date: {meta['date']}; run time {meta.get('seconds', 0) / 60:.1f} min"
         + ("" if meta.get("complete") else " (INCOMPLETE: rows so far)") + ".",
         f"- Command: `{meta['command']}`",
-        f"- Each (batch, method): one untimed warm-up of {a['warmup_tokens']} new tokens, then "
-        "timed runs on the same prompts. The prompts' K/V come from a prefix cache "
-        "(computed once per prompt), so prefill s below is a copy, not a recomputation.",
-        "- decode tok/s = decode tokens / decode seconds of the timed run "
-        "(`stats.tokens_per_second`); it includes each call's set-up (new cache, CUDA graph "
-        "capture). steady tok/s = (decode tokens - those of a "
-        f"{a['short_tokens']}-token run) / (decode seconds - its decode seconds): the same "
-        "tokens after the short run's, without the per-call fixed cost." if a["short_tokens"]
-        else "- decode tok/s = decode tokens / decode seconds of the timed run.",
+        f"- Each (batch, method): one untimed warm-up of {a['warmup_tokens']} new tokens "
+        "(kernel compilation, CUDA graph capture), then one timed run on the same prompts. "
+        "The prompts are prefilled once per batch size; later runs find them in the cache.",
+        "- steady tok/s: decode tokens / seconds over the iterations in which every sequence "
+        "of the batch is still decoding (a server's full batch; the tuner's objective). "
+        "completion tok/s: decode tokens / decode seconds of the whole run, to the batch's "
+        "last token. iterations: steady / all.",
         "",
         "## Throughput",
         "",
-        "| batch | method | decode tok/s | speedup | steady tok/s | steady speedup | "
-        "decode s | mean accepted length | iterations | draft s | verify s | selection s | "
-        "selection overhead |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| batch | method | steady tok/s | steady speedup | completion tok/s | completion "
+        "speedup | iterations | mean accepted length | draft s | verify s | selection s | "
+        "selection overhead |" + (" tuner tok/s | tuner / steady |" if tuner else ""),
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+        + (" --- | --- |" if tuner else ""),
     ]
     for r in runs:
         base = by_key.get((r["batch"], "vanilla"))
@@ -311,18 +307,22 @@ def summarize(data: dict) -> str:
             speedup = r["tokens_per_second"] / base["tokens_per_second"]
         if base and base["steady_tokens_per_second"] and r["steady_tokens_per_second"]:
             steady_up = r["steady_tokens_per_second"] / base["steady_tokens_per_second"]
-        lines.append(
-            f"| {r['batch']} | {r['method']} | {rate(r['tokens_per_second'])} | "
-            f"{fmt(speedup)}x | {rate(r['steady_tokens_per_second'])} | "
-            f"{fmt(steady_up)}{'x' if steady_up else ''} | {r['decode_seconds']:.3f} | "
-            f"{fmt(r.get('mean_accepted_length'))} | {fmt(r.get('iterations'), 'd')} | "
+        line = (
+            f"| {r['batch']} | {r['method']} | {rate(r['steady_tokens_per_second'])} | "
+            f"{fmt(steady_up)}{'x' if steady_up else ''} | {rate(r['tokens_per_second'])} | "
+            f"{fmt(speedup)}x | {r['steady_iterations']} / {r['iterations']} | "
+            f"{fmt(r.get('mean_accepted_length'))} | "
             f"{fmt(r.get('draft_seconds'), '.3f')} | {fmt(r.get('verify_seconds'), '.3f')} | "
             f"{fmt(r.get('selection_seconds'), '.3f')} | "
             f"{fmt(r.get('selection_overhead'), '.1%')} |")
+        if tuner:
+            t, steady = r.get("tuner_tokens_per_second"), r["steady_tokens_per_second"]
+            line += (f" {rate(t)} | "
+                     f"{fmt(t / steady if t and steady else None, '.3f')} |")
+        lines.append(line)
     cold = [r["warmup_prefill_seconds"] for r in runs if r["method"] == "vanilla"]
     if cold:
-        lines += ["", "Prefill of the prompts the first time (vanilla warm-up, reference "
-                  "attention, prompts missing from the prefix cache): "
+        lines += ["", "Prefill of the prompts (the vanilla warm-up, fused prefill attention): "
                   + ", ".join(f"b={r['batch']}: {r['warmup_prefill_seconds']:.1f}s"
                               for r in runs if r["method"] == "vanilla") + "."]
 
@@ -347,8 +347,8 @@ def summarize(data: dict) -> str:
     detail = [m for m in matches if m["divergence"] and "top2_margin" in m["divergence"]]
     if detail:
         lines += ["", "### First divergence per sequence", "",
-                  f"Margins come from one {a['dtype']} forward (prompt K/V from the prefix "
-                  "cache, then vanilla's tokens as one multi-row block): it rounds in its own "
+                  f"Margins come from one {a['dtype']} forward (the prompt prefilled alone, "
+                  "then vanilla's tokens as one multi-row block): it rounds in its own "
                   "way, so a margin near 0 may even flip the recomputed top-1.", "",
                   "| batch | method | seq | prompt | position | vanilla token | spec token | "
                   "top-2 margin | logit gap vanilla - spec | spec rank | recomputed top-1 = "
@@ -397,8 +397,9 @@ def summarize(data: dict) -> str:
             n = min(len(van[small]), len(van[big]))
             same = sum(van[small][i] == van[big][i] for i in range(n))
             pairs.append(f"b={small} vs b={big}: {same}/{n} sequences identical")
-        lines += ["", "Vanilla against itself at other batch sizes (same prompts, shared "
-                  "prompt K/V): " + "; ".join(pairs) + "."]
+        lines += ["", "Vanilla against itself at other batch sizes (same prompts; each batch "
+                  "size prefills its own, in forwards of other shapes, so bf16 rounding "
+                  "differs): " + "; ".join(pairs) + "."]
     return "\n".join(lines) + "\n"
 
 
@@ -428,21 +429,19 @@ def run(args, out: Path) -> dict:
                   date=str(datetime.date.today()), complete=False,
                   command="python " + " ".join(shlex.quote(x) for x in sys.argv)),
         runs=[], matches=[], margins=[], tokens=[])
-    cache = PrefixCache(int(args.prefix_cache_gib * 2**30))
     methods = ["vanilla", *args.drafters]
     for batch in args.batch:
-        prompts = embedded_prompts(model.tokenizer, args.dataset, args.ctx, batch)
-        ids = [p.ids for p in prompts]
+        prompts = load_prompts(model.tokenizer, args.dataset, args.ctx, batch)
         log(f"batch {batch}: {len(prompts)} prompts of {args.ctx} tokens "
             f"({', '.join(p.name for p in prompts[:4])}{', ...' if batch > 4 else ''})")
         tokens: dict[str, list[list[int]]] = {}
         for method in methods:
-            row, tokens[method] = run_method(model, ids, method, args, cache, batch)
+            row, tokens[method] = run_method(model, prompts, method, args, batch)
             data["runs"].append(row)
             data["tokens"].append(dict(batch=batch, method=method, tokens=tokens[method]))
             write_outputs(out, data)
         log(f"batch {batch}: greedy match and margins")
-        rows, margins = analyse_matches(model, prompts, tokens, batch, cache, args)
+        rows, margins = analyse_matches(model, prompts, tokens, batch, args)
         data["matches"] += rows
         data["margins"] += margins
         write_outputs(out, data)
@@ -465,9 +464,8 @@ def main() -> None:
     p.add_argument("--min-tokens", type=int, default=256)
     p.add_argument("--warmup-tokens", type=int, default=8,
                    help="new tokens of the untimed warm-up generate per (batch, method)")
-    p.add_argument("--short-tokens", type=int, default=0,
-                   help="new tokens of a short timed run for a steady-state rate (0: none)")
-    p.add_argument("--prefix-cache-gib", type=float, default=8.0)
+    p.add_argument("--compare-tuner", action="store_true",
+                   help="also measure each configuration with the tuner's Measurer")
     p.add_argument("--margins", choices=("all", "diverging", "none"), default="all",
                    help="top-2 margins for every vanilla sequence, only diverging ones, or none")
     p.add_argument("--tie-margin", type=float, default=0.25,
@@ -481,8 +479,6 @@ def main() -> None:
         fail("batch sizes must be >= 1")
     if args.max_new_tokens < 2 or args.warmup_tokens < 1:
         fail("--max-new-tokens must be >= 2 and --warmup-tokens >= 1")
-    if not 0 <= args.short_tokens < args.max_new_tokens:
-        fail(f"--short-tokens must be 0 (off) or below --max-new-tokens {args.max_new_tokens}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     if args.from_json:

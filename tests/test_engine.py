@@ -106,11 +106,11 @@ def test_eos_stops_each_sequence():
 
 def test_prefix_cache_reuses_prompt_kv_without_changing_outputs():
     from vegas_core import SpecConfig
-    from vegas_core.generation import PrefixCache
+    from vegas_core.prefill import PrefixCache
 
     model = tiny_model()
     prompts = [prompt(60, seed=1), prompt(45, seed=2)]
-    reuse = PrefixCache(max_bytes=1 << 30)
+    reuse = PrefixCache(device_bytes=1 << 30)
     plain = generate(model, prompts, max_new_tokens=12, ignore_eos=True)
     first = generate(model, prompts, max_new_tokens=12, ignore_eos=True, prefix_cache=reuse)
     assert len(reuse._entries) == 2
@@ -119,6 +119,6 @@ def test_prefix_cache_reuses_prompt_kv_without_changing_outputs():
                     spec=SpecConfig(gamma=3, min_tokens=4, sparsity=0.1))
     assert plain.tokens == first.tokens == again.tokens == spec.tokens
     assert len(reuse._entries) == 2  # the spec run's prompt heads were served from the store
-    tiny = PrefixCache(max_bytes=1)
+    tiny = PrefixCache(device_bytes=1, host_bytes=0)
     generate(model, prompts, max_new_tokens=2, prefix_cache=tiny)
     assert not tiny._entries

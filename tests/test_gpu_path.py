@@ -107,7 +107,7 @@ def test_deferred_scores_select_what_the_reference_selects(model, collect, score
 def test_session_from_a_filled_cache_continues_like_a_prefilled_one(model, monkeypatch):
     """from_cache (benchmarks fill long caches without a prefill) decodes exactly as a
     session that prefilled the same prompts."""
-    from vegas_core.generation import prefill
+    from vegas_core.prefill import prefill
 
     use(monkeypatch, FAST)
     spec = SpecConfig(gamma=3, sparsity=0.1, min_tokens=4)
@@ -163,3 +163,29 @@ def test_a_workspace_is_kept_across_calls_and_replaced_by_a_new_shape(model, mon
     release_workspace(model.net)
     monkeypatch.setenv("VEGAS_CUDA_GRAPHS", "0")
     assert workspace(model.net, 2, 300, dev) is None  # eager steps allocate per call
+
+
+def test_a_workspace_cache_keeps_its_prompts_for_later_calls(model, monkeypatch):
+    """Prompt K/V once per tune: a later call on the same prompts computes only the slots
+    that a speculative window rewrote, and its tokens equal the reference path's."""
+    from vegas_core.graphs import release_workspace
+
+    spec = SpecConfig(gamma=3, sparsity=0.1, min_tokens=8)
+    calls = [None, spec, None]
+    use(monkeypatch, REFERENCE)
+    want = [generate(model, PROMPTS, NEW_TOKENS, spec=s, ignore_eos=True).tokens for s in calls]
+    use(monkeypatch, FAST)
+    release_workspace(model.net)
+    computed = []
+    for s, tokens in zip(calls, want):
+        seen = [0]
+
+        def progress(phase, done, total):
+            if phase == "prefill":
+                seen[0] = total
+
+        assert generate(model, PROMPTS, NEW_TOKENS, spec=s, ignore_eos=True,
+                        progress=progress).tokens == tokens
+        computed.append(seen[0])
+    window = spec.gamma + 1  # the speculative session's first verify window
+    assert computed == [sum(map(len, PROMPTS)), 0, window * len(PROMPTS)]

@@ -147,8 +147,12 @@ def test_ctrl_c_exits_130_and_keeps_trials(tmp_path):
 
 
 def fake_measurement(tokens_per_second: float, accepted: float = 2.0) -> Measurement:
-    return Measurement(tokens_per_second=tokens_per_second, decode_seconds=1.0,
-                       decode_tokens=int(tokens_per_second), mean_accepted_length=accepted,
+    return Measurement(tokens_per_second=tokens_per_second,
+                       completion_tokens_per_second=0.9 * tokens_per_second, decode_seconds=1.0,
+                       decode_tokens=int(tokens_per_second), steady_seconds=0.8,
+                       steady_tokens=int(0.8 * tokens_per_second), iterations=10,
+                       steady_iterations=8, prefill_seconds=0.1, wall_seconds=1.2,
+                       mean_accepted_length=accepted,
                        acceptance_by_position=[0.5, 0.3, 0.1, 0.1],
                        selection_overhead=0.01, draft_step_seconds=0.01,
                        verify_step_seconds=0.02, selection_step_seconds=0.001,

@@ -6,10 +6,10 @@ internal and may change.
 
 from vegas_core.config import ModelConfig
 from vegas_core.errors import VegasError
-from vegas_core.generation import GenerationResult, GenerationStats, generate
+from vegas_core.generation import (GenerationResult, GenerationStats, SpeculativeStats,
+                                   generate)
 from vegas_core.loading import LoadedModel, load_model
 from vegas_core.spec_config import SpecConfig
-from vegas_core.speculative import SpeculativeStats
 
 __all__ = [
     "GenerationResult",

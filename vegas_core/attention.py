@@ -3,7 +3,9 @@
 Full, verify and draft forwards run the same model code; they differ only in the
 ``AttentionMeta`` they are given:
 
-- ``full``: causal attention over the whole cache (prefill chunks, vanilla decode).
+- ``full``: causal attention over the whole cache (prefill chunks, vanilla decode). A
+  prefill chunk (``AttentionMeta.prefill``) also says where its block starts, so that
+  it can run on the fused prefill kernels (``kernels.prefill_attention``).
 - ``verify``: the same, for the γ+1 rows of a speculative verify window.
 - ``draft``: sparse attention over per-layer index lists of prefix slots, plus every slot
   from ``tail_start`` up to the query's own position (tokens written since the selection).
@@ -155,6 +157,8 @@ class AttentionMeta:
 
     positions: [B, T] position of each query row; its K/V are written to that slot.
     kv_len: static bound on the slots read, [0, kv_len).
+    block_start: set for prefill chunks: every sequence's rows sit at positions
+        block_start .. kv_len - 1.
     """
 
     mode: str
@@ -163,6 +167,7 @@ class AttentionMeta:
     sliding_window: int | None = None
     sparse: DraftSelection | None = None
     collector: ScoreCollector | None = None
+    block_start: int | None = None
     _causal: torch.Tensor | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -174,6 +179,14 @@ class AttentionMeta:
     @classmethod
     def full(cls, positions: torch.Tensor, kv_len: int, sliding_window: int | None = None):
         return cls("full", positions, kv_len, sliding_window)
+
+    @classmethod
+    def prefill(cls, batch: int, start: int, end: int, device: torch.device,
+                sliding_window: int | None = None):
+        """A prefill chunk: positions start..end-1 in each of ``batch`` sequences, over
+        slots [0, end)."""
+        positions = torch.arange(start, end, device=device).expand(batch, -1)  # [B, T]
+        return cls("full", positions, end, sliding_window, block_start=start)
 
     @classmethod
     def verify(cls, positions: torch.Tensor, kv_len: int, sliding_window: int | None = None,
@@ -238,13 +251,15 @@ def reference_attention(
 def attention_backend(device: torch.device | str) -> str:
     """What serves attention on ``device``: for profiles' provenance and ``doctor``."""
     probe = torch.empty(0, device=torch.device(device))
+    prefill = " + sdpa (prefill)" if prefill_kernels_enabled() else ""
     if not kernels_enabled(probe):
-        return "pytorch-reference"
+        return "pytorch-reference" + (f" (decode, verify, drafts){prefill}" if prefill else "")
     from vegas_core.graphs import graphs_enabled
 
     graphs = " + CUDA graphs" if graphs_enabled(probe.device) else ""
     return ("triton (decode, verify with fused or deferred vegas scores, index-list drafts)"
-            f"{graphs} + pytorch-reference (prefill, query-dependent drafts)")
+            f"{graphs}{prefill} + pytorch-reference (query-dependent drafts"
+            + ("" if prefill else ", prefill") + ")")
 
 
 @functools.cache
@@ -260,6 +275,12 @@ def kernels_enabled(q: torch.Tensor) -> bool:
     if choice == "auto" and not q.is_cuda:
         return False
     return _triton_installed()
+
+
+def prefill_kernels_enabled() -> bool:
+    """Prefill chunks run on PyTorch's fused attention (``kernels.prefill_attention``) on
+    every device, unless VEGAS_ATTENTION=reference."""
+    return os.environ.get(ATTENTION_ENV, "auto") != "reference"
 
 
 def supported_head_dim(head_dim: int) -> bool:
@@ -310,11 +331,18 @@ def _kernel_attention(q, k, v, layer: int, meta: AttentionMeta) -> torch.Tensor 
 
 
 def attend(q: torch.Tensor, cache: KVCache, layer: int, meta: AttentionMeta) -> torch.Tensor:
-    """Attention of q ([B, T, H, D]) over ``layer``'s cache as ``meta`` allows: the
-    Triton kernels for decode and verify rows (selection scores fused or deferred, see
-    ``ScoreCollector``) and index-list drafts when enabled, else the reference (prefill
-    chunks, query-dependent selections, collectors of the peer drafters)."""
+    """Attention of q ([B, T, H, D]) over ``layer``'s cache as ``meta`` allows: fused
+    SDPA for prefill chunks; the Triton kernels for decode and verify rows (selection
+    scores fused or deferred, see ``ScoreCollector``) and index-list drafts when enabled;
+    else the reference (query-dependent selections, collectors of the peer drafters,
+    sliding windows)."""
     k, v = cache.layer(layer, meta.kv_len)
+    if (meta.block_start is not None and meta.sliding_window is None
+            and meta.collector is None and prefill_kernels_enabled()):
+        # Every prefill chunk, short ones too: no Triton kernel compiled per chunk shape.
+        from kernels.prefill_attention import prefill_attention
+
+        return prefill_attention(q, k, v, meta.block_start)
     out = _kernel_attention(q, k, v, layer, meta)
     if out is not None:
         return out

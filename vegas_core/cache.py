@@ -3,11 +3,34 @@
 One slot per token position (page size one): the K/V of the token at position p of
 sequence b live in slot p. Writing at a position that was written before overwrites it,
 so rolling back is only a matter of moving a sequence's length back.
+
+A cache kept across calls (``vegas_core.graphs.Workspace``) also remembers which prompt
+tokens each row's leading slots hold (``PromptSlots``), so that a later prefill of the
+same prompt in the same row computes nothing: decode and speculation only write past
+the prompt.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass
+class PromptSlots:
+    """Slots [0, len(ids)) of a row hold the K/V a prefill of ``ids`` computes;
+    ``last_hidden`` [hidden] is the final hidden state of ids[-1] (None if unknown)."""
+
+    ids: list[int]
+    last_hidden: torch.Tensor | None = None
+
+    def common_prefix(self, ids: list[int]) -> int:
+        """How many leading tokens ``ids`` shares with the slots."""
+        n = min(len(self.ids), len(ids))
+        if self.ids[:n] == ids[:n]:
+            return n
+        return next(i for i, (a, b) in enumerate(zip(self.ids, ids)) if a != b)
 
 
 class KVCache:
@@ -35,14 +58,25 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
         self._batch_index = torch.arange(batch_size, device=device)[:, None]  # [B, 1]
+        # What each row's leading slots hold (None: unknown); kept by ``prefill`` and
+        # cut back by anything that rewrites prompt slots (``forget_from``).
+        self.prompts: list[PromptSlots | None] = [None] * batch_size
 
-    def sequence(self, b: int) -> "KVCache":
-        """A batch-1 view of sequence b: writes through it land in this cache."""
+    def rows(self, start: int, end: int) -> "KVCache":
+        """A view of sequences [start, end): writes through it land in this cache."""
         view = object.__new__(KVCache)
-        view.k, view.v = self.k[:, b : b + 1], self.v[:, b : b + 1]
-        view.lengths = self.lengths[b : b + 1]
-        view._batch_index = self._batch_index[:1]
+        view.k, view.v = self.k[:, start:end], self.v[:, start:end]
+        view.lengths = self.lengths[start:end]
+        view._batch_index = self._batch_index[: end - start]
+        view.prompts = [None] * (end - start)  # bookkeeping stays with the whole cache
         return view
+
+    def forget_from(self, row: int, slot: int) -> None:
+        """Slots from ``slot`` on of ``row`` are about to be rewritten by something other
+        than a prefill of the remembered prompt."""
+        kept = self.prompts[row]
+        if kept is not None and slot < len(kept.ids):
+            self.prompts[row] = PromptSlots(kept.ids[:slot]) if slot > 0 else None
 
     @property
     def batch_size(self) -> int:

@@ -29,6 +29,15 @@ GRAPHS_ENV = "VEGAS_CUDA_GRAPHS"
 WARMUP_RUNS = 2
 
 
+_captures = 0
+
+
+def capture_count() -> int:
+    """CUDA graphs captured so far in this process: a decode iteration during which it
+    grows paid for one-off work (kernel compilation, capture) and is not steady."""
+    return _captures
+
+
 def _setting() -> str:
     return os.environ.get(GRAPHS_ENV, "auto")
 
@@ -68,6 +77,8 @@ class StepGraph:
         return self.outputs
 
     def _capture(self) -> None:
+        global _captures
+        _captures += 1
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):

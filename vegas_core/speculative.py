@@ -19,39 +19,17 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
 
 import torch
 
 from vegas_core.attention import (AttentionMeta, ScoreCollector, SparseSelection,
                                   kernels_serve_model)
-from vegas_core.generation import (GenerationResult, GenerationStats, PrefixCache, ProgressFn,
-                                   _sync, check_lengths, encode_prompts, prefill)
 from vegas_core.graphs import StaticForward, StepGraph, Workspace, static_steps, workspace
 from vegas_core.loading import LoadedModel
+from vegas_core.prefill import PrefixCache, ProgressFn, prefill, sync
 from vegas_core.sampling import SamplingParams, choose_tokens, probabilities
 from vegas_core.selection import SelectionInputs, draft_budget, make_drafter
 from vegas_core.spec_config import SpecConfig
-
-
-@dataclass
-class SpeculativeStats(GenerationStats):
-    gamma: int = 0
-    iterations: int = 0
-    # 1 + accepted drafts per (sequence, iteration), bonus token included.
-    mean_accepted_length: float = 0.0
-    # acceptance_by_position[i-1]: rate at which draft position i was accepted.
-    acceptance_by_position: list[float] = field(default_factory=list)
-    # (sequence, iteration) pairs in which a sequence was still generating.
-    sequence_rounds: int = 0
-    draft_seconds: float = 0.0
-    verify_seconds: float = 0.0
-    selection_seconds: float = 0.0
-
-    @property
-    def selection_overhead(self) -> float:
-        """Selection time / decode time."""
-        return self.selection_seconds / self.decode_seconds if self.decode_seconds > 0 else 0.0
 
 
 class _PhaseClock:
@@ -89,7 +67,7 @@ class SpeculativeSession:
     """
 
     def __init__(self, model: LoadedModel, prompt_ids: list[list[int]], spec: SpecConfig,
-                 params: SamplingParams, max_new_tokens: int, *, prefill_chunk: int,
+                 params: SamplingParams, max_new_tokens: int, *, prefill_chunk: int | None = None,
                  progress: ProgressFn | None = None,
                  prefix_cache: PrefixCache | None = None) -> None:
         longest = max(len(p) for p in prompt_ids)
@@ -188,7 +166,8 @@ class SpeculativeSession:
         graph()
 
     @torch.inference_mode()
-    def _prefill(self, prompt_ids: list[list[int]], chunk: int, progress, prefix_cache) -> None:
+    def _prefill(self, prompt_ids: list[list[int]], chunk: int | None, progress,
+                 prefix_cache) -> None:
         """Prefill all but the last W prompt tokens in chunks, then the last W as a
         verify-style window, whose scores make the first selection."""
         w = min(max(self.spec.gamma + 1, self.drafter.prefill_rows), min(self.host_lengths))
@@ -205,6 +184,8 @@ class SpeculativeSession:
         sequence: one verify-style forward gives the pending token and the first
         selection."""
         w = tokens.shape[1]
+        for b, n in enumerate(self.host_lengths):
+            self.cache.forget_from(b, n - w)  # the window rewrites these prompt slots
         positions = start[:, None] + torch.arange(w, device=self.dev)  # [B, W]
         collector = self._collector(w, 0)
         hidden = self.net(tokens, positions, self.cache,
@@ -216,8 +197,12 @@ class SpeculativeSession:
         self._select(collector, w, torch.full_like(start, w - 1), start,
                      max(self.host_lengths) - w)
         self._clock.mark("")
-        _sync(self.dev)
+        sync(self.dev)
         self._clock.collect(self.timers)
+
+    def first_tokens(self) -> list[int]:
+        """The pending token of each sequence after the prefill: its first new token."""
+        return self.pending.tolist()
 
     # --- the three forwards of an iteration -------------------------------------------
 
@@ -376,70 +361,3 @@ class SpeculativeSession:
         residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p_j)
         bonus = torch.multinomial(residual, 1, generator=self.generator).squeeze(-1)
         return accepted, bonus
-
-
-def generate_speculative(model: LoadedModel, prompts, max_new_tokens: int, spec: SpecConfig,
-                         params: SamplingParams, *, ignore_eos: bool, prefill_chunk: int,
-                         progress: ProgressFn | None,
-                         prefix_cache: PrefixCache | None = None) -> GenerationResult:
-    prompt_ids = encode_prompts(model, prompts)
-    check_lengths(model, prompt_ids, max_new_tokens)
-    dev = model.device
-    eos = set() if ignore_eos or model.tokenizer is None else set(model.tokenizer.eos_token_ids)
-
-    _sync(dev)
-    t0 = time.perf_counter()
-    session = SpeculativeSession(model, prompt_ids, spec, params, max_new_tokens,
-                                 prefill_chunk=prefill_chunk, progress=progress,
-                                 prefix_cache=prefix_cache)
-    _sync(dev)
-    t1 = time.perf_counter()
-    prefill_selection = session.timers["selection"]
-
-    b = len(prompt_ids)
-    out: list[list[int]] = [[] for _ in range(b)]
-    done = [False] * b
-
-    def take(i: int, new: list[int]) -> None:
-        for tok in new:
-            out[i].append(tok)
-            if tok in eos or len(out[i]) >= max_new_tokens:
-                done[i] = True
-                return
-
-    for i, tok in enumerate(session.pending.tolist()):
-        take(i, [tok])
-    accepted_per_position = [0] * spec.gamma  # host counts: no tensor ops per sequence
-    rounds = 0
-    while not all(done):
-        new = session.step([not d for d in done])
-        for i in range(b):
-            if done[i]:
-                continue
-            rounds += 1
-            for p in range(len(new[i]) - 1):  # drafts accepted this round
-                accepted_per_position[p] += 1
-            take(i, new[i])
-        if progress:
-            progress("decode", min(len(o) for o in out), max_new_tokens)
-    _sync(dev)
-    t2 = time.perf_counter()
-
-    texts = [model.tokenizer.decode(ids) for ids in out] if model.tokenizer else None
-    by_position = [a / max(rounds, 1) for a in accepted_per_position]
-    stats = SpeculativeStats(
-        prompt_tokens=[len(p) for p in prompt_ids],
-        new_tokens=[len(o) for o in out],
-        prefill_seconds=t1 - t0,
-        decode_seconds=t2 - t1,
-        decode_tokens=sum(len(o) - 1 for o in out),
-        gamma=spec.gamma,
-        iterations=session.iteration,
-        mean_accepted_length=1.0 + sum(by_position),
-        acceptance_by_position=by_position,
-        sequence_rounds=rounds,
-        draft_seconds=session.timers["draft"],
-        verify_seconds=session.timers["verify"],
-        selection_seconds=session.timers["selection"] - prefill_selection,
-    )
-    return GenerationResult(out, texts, stats)

@@ -34,6 +34,8 @@ app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
 stderr = Console(stderr=True, soft_wrap=True)
 log = logging.getLogger("vegas_tune")
 
+# Prompts per trial when --num-prompts is not given and the batch is smaller.
+MIN_PROMPTS = 4
 SUBCOMMANDS = ("tune", "bench", "validate", "show", "diff", "export", "doctor")
 ENV_PREFIX = "VEGAS_TUNE_"
 
@@ -53,7 +55,7 @@ TUNE_DEFAULTS: dict[str, tuple[Any, Any]] = {
     "batch_size": (1, int),
     "max_new_tokens": (64, int),
     "temperature": (0.0, float),
-    "num_prompts": (4, int),
+    "num_prompts": (None, int),  # None: the batch size, at least MIN_PROMPTS
     "probe_gamma": (8, int),
     "gamma_max": (8, int),
     "sparsity_grid": ("0.01,0.02,0.05,0.1,0.2,0.3", sparsity_grid),
@@ -147,7 +149,7 @@ def tune(
     batch_size: Optional[int] = typer.Option(None, help="Sequences decoded together. [default: 1]"),
     max_new_tokens: Optional[int] = typer.Option(None, help="Tokens generated per prompt. [default: 64]"),
     temperature: Optional[float] = typer.Option(None, help="0 = greedy. [default: 0]"),
-    num_prompts: Optional[int] = typer.Option(None, help="Prompts per trial. [default: 4]"),
+    num_prompts: Optional[int] = typer.Option(None, help="Prompts per trial; a last batch they do not fill is filled by wrapping around. [default: the batch size, at least 4]"),
     probe_gamma: Optional[int] = typer.Option(None, help="Gamma of step 1. [default: 8]"),
     gamma_max: Optional[int] = typer.Option(None, help="Largest gamma of step 2. [default: 8]"),
     sparsity_grid: Optional[str] = typer.Option(None, help="Step 1 ratios, comma-separated."),
@@ -172,6 +174,8 @@ def tune(
                           min_tokens=s["min_tokens"], gamma_candidates=s["gamma_candidates"],
                           refine_trials=s["refine_trials"], seed=s["seed"],
                           time_budget=s["time_budget"])
+    if s["num_prompts"] is None:
+        s["num_prompts"] = max(MIN_PROMPTS, s["batch_size"])
     _check_positive(s, "batch_size", "max_new_tokens", "num_prompts", "probe_gamma",
                     "gamma_max", "min_tokens", "gamma_candidates", "refine_trials")
     settings = TuneSettings(
@@ -235,7 +239,8 @@ def bench(
     score: str = typer.Option("logit"), granularity: str = typer.Option("layer"),
     window: float = typer.Option(0.0),
     batch_size: int = typer.Option(1), max_new_tokens: int = typer.Option(64),
-    num_prompts: int = typer.Option(2), temperature: float = typer.Option(0.0),
+    num_prompts: Optional[int] = typer.Option(None, help="[default: the batch size]"),
+    temperature: float = typer.Option(0.0),
     seed: int = typer.Option(0), device: str = typer.Option("auto"),
     dtype: str = typer.Option("auto"),
     json_out: bool = typer.Option(False, "--json", help="Print JSON to stdout."),
@@ -246,10 +251,14 @@ def bench(
     from vegas_tune.datasets import load_prompts
     from vegas_tune.measure import Measurer, Workload
 
+    _check_positive(dict(batch_size=batch_size, max_new_tokens=max_new_tokens,
+                         num_prompts=num_prompts or batch_size),
+                    "batch_size", "max_new_tokens", "num_prompts")
     spec = SpecConfig(drafter=drafter, gamma=gamma, sparsity=sparsity, min_tokens=min_tokens,
                       collect=collect, score=score, granularity=granularity, window=window)
     loaded = load_model(model, device=device, dtype=dtype)
-    prompts = load_prompts(loaded.tokenizer, dataset, parse_ctx(ctx), num_prompts, seed)
+    prompts = load_prompts(loaded.tokenizer, dataset, parse_ctx(ctx), num_prompts or batch_size,
+                           seed)
     measurer = Measurer(loaded, Workload(prompts, batch_size, max_new_tokens, temperature, seed))
     with stderr.status("measuring vanilla decoding ..."):
         vanilla = measurer.measure(None)
@@ -261,7 +270,7 @@ def bench(
     if json_out:
         print(json.dumps(result, indent=1))
         return
-    stderr.print(f"{loaded.label}: {drafter} {ours.tokens_per_second:.1f} tok/s, vanilla "
+    stderr.print(f"{loaded.label}: steady state {drafter} {ours.tokens_per_second:.1f} tok/s, vanilla "
                  f"{vanilla.tokens_per_second:.1f} tok/s (x{result['speedup']:.2f}); mean "
                  f"accepted length {ours.mean_accepted_length:.2f}; selection overhead "
                  f"{100 * ours.selection_overhead:.1f}%")

@@ -1,18 +1,27 @@
-"""Run one configuration on a workload and return its metrics."""
+"""Run one configuration on a workload and return its metrics.
+
+Throughput is the steady-state rate (``GenerationStats.steady_*``): decode tokens over
+the iterations in which every sequence of the batch is still decoding, as in a server
+whose finished sequences are replaced at once; ``bench/end_to_end.py`` reports the same
+figure. The prompts' K/V are computed once per tune: the model's kept cache remembers
+which prompt each row holds, and a ``PrefixCache`` keeps copies when the workload has
+more batches than one.
+"""
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from vegas_core import SpecConfig, generate
-from vegas_core.generation import PrefixCache
 from vegas_core.graphs import static_steps
 from vegas_core.loading import LoadedModel
+from vegas_core.prefill import PrefixCache
 from vegas_tune.datasets import Prompt
 
-# Prompt K/V kept for reuse across trials (see vegas_core.generation.PrefixCache).
-DEFAULT_PREFIX_CACHE_BYTES = 4 << 30
+log = logging.getLogger("vegas_tune")
 
 
 @dataclass
@@ -24,22 +33,36 @@ class Workload:
     seed: int = 0
 
     def batches(self) -> list[list[list[int]]]:
+        """Full batches only: the prompts in order, wrapped around to fill the last
+        batch (a batch of another size would need its own cache and CUDA graphs)."""
         ids = [p.ids for p in self.prompts]
-        return [ids[i : i + self.batch_size] for i in range(0, len(ids), self.batch_size)]
+        count = -(-len(ids) // self.batch_size) * self.batch_size
+        ids = [ids[i % len(ids)] for i in range(count)]
+        return [ids[i : i + self.batch_size] for i in range(0, count, self.batch_size)]
 
 
 @dataclass
 class Measurement:
     """Metrics of one configuration over the whole workload.
 
-    tokens_per_second: generated tokens / decode seconds (prefill excluded), summed over
-    batches. Step costs are per forward (draft, verify, vanilla decode) or per iteration
-    (selection), averaged over the workload.
+    tokens_per_second: steady-state decode tokens / seconds (see the module docstring),
+    summed over batches; completion_tokens_per_second: the same batches decoded to
+    completion (every iteration, including those that captured CUDA graphs). Step costs
+    are per forward (draft, verify, vanilla decode) or per iteration (selection), over the
+    steady iterations. wall_seconds: the whole measurement (prefill, decode, set-up);
+    prefill_seconds: the part spent getting prompts into the cache.
     """
 
     tokens_per_second: float
+    completion_tokens_per_second: float
     decode_seconds: float
     decode_tokens: int
+    steady_seconds: float
+    steady_tokens: int
+    iterations: int
+    steady_iterations: int
+    prefill_seconds: float
+    wall_seconds: float
     mean_accepted_length: float
     acceptance_by_position: list[float]
     selection_overhead: float
@@ -56,56 +79,76 @@ class Measurement:
 BatchReport = Callable[[int, float], None]
 
 
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else 0.0
+
+
 class Measurer:
     """Measures configurations of one model on one workload, reusing prompt K/V."""
 
-    def __init__(self, model: LoadedModel, workload: Workload,
-                 prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES) -> None:
+    def __init__(self, model: LoadedModel, workload: Workload) -> None:
         self.model, self.workload = model, workload
-        self.prefix_cache = PrefixCache(prefix_cache_bytes)
+        # A kept cache (static decode steps: GPUs) holds one batch's prompts between
+        # calls; copies serve other batches, and every call where nothing is kept.
+        kept = static_steps(model.device)
+        self.prefix_cache = PrefixCache() if len(workload.batches()) > 1 or not kept else None
+        self._warned_short = False
 
     def measure(self, spec: SpecConfig | None, report: BatchReport | None = None) -> Measurement:
         w = self.workload
-        tokens = 0
-        seconds = sel = draft = verify = 0.0
-        draft_steps = verify_steps = vanilla_steps = rounds = 0
+        start = time.perf_counter()
+        tokens = steady_tokens = iterations = steady_iterations = rounds = 0
+        seconds = steady_seconds = prefill_seconds = 0.0
+        phases = {"draft": 0.0, "verify": 0.0, "selection": 0.0}  # steady iterations
+        totals = dict(phases)  # every iteration
         accepted = [0.0] * (spec.gamma if spec else 0)
-        if static_steps(self.model.device):
-            # Untimed: captures this configuration's CUDA graphs (kept for later calls),
-            # so that no measured run pays for a capture.
-            generate(self.model, next(iter(w.batches())), w.max_new_tokens, spec=spec,
-                     temperature=w.temperature, seed=w.seed, ignore_eos=True,
-                     prefix_cache=self.prefix_cache)
         for i, batch in enumerate(w.batches()):
-            out = generate(self.model, batch, w.max_new_tokens, spec=spec,
-                           temperature=w.temperature, seed=w.seed + i, ignore_eos=True,
-                           prefix_cache=self.prefix_cache)
-            s = out.stats
+            s = generate(self.model, batch, w.max_new_tokens, spec=spec,
+                         temperature=w.temperature, seed=w.seed + i, ignore_eos=True,
+                         prefix_cache=self.prefix_cache).stats
             tokens += s.decode_tokens
             seconds += s.decode_seconds
-            if spec is None:
-                vanilla_steps += max(s.new_tokens) - 1
-            else:
-                sel += s.selection_seconds
-                draft += s.draft_seconds
-                verify += s.verify_seconds
-                draft_steps += s.iterations * spec.gamma
-                verify_steps += s.iterations
+            prefill_seconds += s.prefill_seconds
+            iterations += s.iterations
+            steady_tokens += s.steady_tokens
+            steady_seconds += s.steady_seconds
+            steady_iterations += s.steady_iterations
+            if spec is not None:
+                for phase in phases:
+                    phases[phase] += s.steady_phase_seconds.get(phase, 0.0)
+                    totals[phase] += getattr(s, f"{phase}_seconds")
                 rounds += s.sequence_rounds
                 accepted = [a + r * s.sequence_rounds
                             for a, r in zip(accepted, s.acceptance_by_position)]
             if report:
-                report(i, tokens / seconds if seconds else 0.0)
+                report(i, _ratio(steady_tokens, steady_seconds) or _ratio(tokens, seconds))
+        if not steady_seconds and not self._warned_short:
+            self._warned_short = True
+            log.warning("no steady decode iteration (raise --max-new-tokens): reporting "
+                        "batch-to-completion throughput")
         by_position = [a / rounds for a in accepted] if rounds else []
+        gamma = spec.gamma if spec else 0
+        if steady_seconds:
+            costs, steps = phases, steady_iterations
+        else:  # a workload too short for a steady window: every iteration
+            costs, steps = totals, iterations
         return Measurement(
-            tokens_per_second=tokens / seconds if seconds else 0.0,
+            tokens_per_second=_ratio(steady_tokens, steady_seconds) or _ratio(tokens, seconds),
+            completion_tokens_per_second=_ratio(tokens, seconds),
             decode_seconds=seconds,
             decode_tokens=tokens,
+            steady_seconds=steady_seconds,
+            steady_tokens=steady_tokens,
+            iterations=iterations,
+            steady_iterations=steady_iterations,
+            prefill_seconds=prefill_seconds,
+            wall_seconds=time.perf_counter() - start,
             mean_accepted_length=1.0 + sum(by_position),
             acceptance_by_position=by_position,
-            selection_overhead=sel / seconds if seconds else 0.0,
-            draft_step_seconds=draft / draft_steps if draft_steps else 0.0,
-            verify_step_seconds=verify / verify_steps if verify_steps else 0.0,
-            selection_step_seconds=sel / verify_steps if verify_steps else 0.0,
-            decode_step_seconds=seconds / vanilla_steps if vanilla_steps else 0.0,
+            selection_overhead=_ratio(totals["selection"], seconds),
+            draft_step_seconds=_ratio(costs["draft"], steps * gamma),
+            verify_step_seconds=_ratio(costs["verify"], steps),
+            selection_step_seconds=_ratio(costs["selection"], steps),
+            decode_step_seconds=(_ratio(steady_seconds, steady_iterations) or
+                                 _ratio(seconds, iterations)) if spec is None else 0.0,
         )

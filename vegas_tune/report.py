@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -182,6 +183,7 @@ def write_report(profile: dict, trials: list[dict], path, images: dict[str, str]
         _steps_table(profile.get("steps") or []),
         _predictions_tables(profile.get("steps") or []),
         _best_trials(trials),
+        _trial_cost(trials),
         _images(images, path.parent),
         _hardware(profile.get("hardware") or {}),
         _provenance(profile.get("provenance") or {}),
@@ -331,6 +333,30 @@ def _best_trials(trials: list[dict]) -> str:
     return "## Best trials\n\n" + "\n\n".join(tables) if tables else ""
 
 
+def _trial_cost(trials: list[dict]) -> str:
+    """What a trial cost beside what it measured: wall time over timed decode time, and
+    the one-time prefill (later trials find the prompts' K/V in the cache)."""
+    timed = [t for t in trials if _is_number(t.get("wall_seconds"))
+             and _is_number(t.get("decode_seconds")) and t["decode_seconds"] > 0]
+    if not timed:
+        return ""
+    ratios = sorted(t["wall_seconds"] / t["decode_seconds"] for t in timed)
+    prefills = sorted((t.get("prefill_seconds") or 0.0 for t in timed), reverse=True)
+    lines = ["## Trial cost", "",
+             f"- {len(timed)} measured trials: wall time / timed decode time, median "
+             f"{statistics.median(ratios):.2f}x (range {ratios[0]:.2f}x to {ratios[-1]:.2f}x).",
+             f"- One-time setup: the longest prefill of a trial took {_seconds(prefills[0])}; "
+             f"the median trial's took {_seconds(statistics.median(prefills))} (prompt K/V "
+             "are computed once and reused)."]
+    steady = [t["steady_iterations"] / t["iterations"] for t in timed
+              if _is_number(t.get("steady_iterations")) and t.get("iterations")]
+    if steady:
+        lines.append(f"- Throughput is the steady-state rate (every sequence of the batch "
+                     f"still decoding): median {statistics.median(steady):.0%} of a trial's "
+                     "decode iterations.")
+    return "\n".join(lines)
+
+
 def _images(images: dict[str, str], report_dir: Path) -> str:
     if not images:
         return ""
@@ -401,6 +427,10 @@ def _duration(seconds) -> str:
     if hours:
         return f"{hours} h {minutes} min"
     return f"{minutes} min {secs} s" if minutes else f"{secs} s"
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.2f} s" if value < 60 else _duration(value)
 
 
 def _cell(value) -> str:

@@ -1,0 +1,76 @@
+"""The decode driver: one loop for vanilla and speculative decoding, steady-state stats."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+from vegas_core import SpecConfig, generate, graphs
+from tests.test_engine import prompt, tiny_model
+
+SPEC = SpecConfig(gamma=3, sparsity=0.1, min_tokens=4)
+
+
+def test_vanilla_steady_window_is_every_step_of_a_full_batch():
+    out = generate(tiny_model(), [prompt(30, 1), prompt(20, 2)], max_new_tokens=9,
+                   ignore_eos=True)
+    s = out.stats
+    assert s.iterations == 8 and s.steady_iterations == 8
+    assert s.steady_tokens == 16 == s.decode_tokens
+    assert 0 < s.steady_seconds <= s.decode_seconds
+    assert s.steady_tokens_per_second == pytest.approx(s.steady_tokens / s.steady_seconds)
+
+
+def test_speculative_steady_window_stops_when_a_sequence_finishes():
+    out = generate(tiny_model(), [prompt(40, 1), prompt(40, 2), prompt(40, 3)],
+                   max_new_tokens=15, ignore_eos=True, spec=SPEC)
+    s = out.stats
+    assert 1 <= s.steady_iterations <= s.iterations
+    # Every steady iteration produced 1..gamma+1 tokens for each of the 3 sequences,
+    # counted before the token limit cuts them.
+    assert 3 * s.steady_iterations <= s.steady_tokens <= 3 * (SPEC.gamma + 1) * s.steady_iterations
+    assert set(s.steady_phase_seconds) == {"draft", "verify", "selection"}
+    assert sum(s.steady_phase_seconds.values()) <= s.steady_seconds + 1e-6
+
+
+def test_an_iteration_that_captures_a_graph_is_not_steady(monkeypatch):
+    """Capture (and kernel compilation inside it) is one-off work: not a steady rate."""
+    from vegas_core.speculative import SpeculativeSession
+
+    step = SpeculativeSession.step
+
+    def capturing_first(self, active):
+        if self.iteration == 0:
+            graphs._captures += 1
+        return step(self, active)
+
+    monkeypatch.setattr(SpeculativeSession, "step", capturing_first)
+    s = generate(tiny_model(), [prompt(40, 1)], max_new_tokens=30, ignore_eos=True,
+                 spec=SPEC).stats
+    assert s.steady_iterations == s.iterations - 1
+
+
+def test_speculative_decoding_does_not_import_the_driver():
+    """generation drives speculative sessions; the session knows nothing of the loop."""
+    source = pathlib.Path(__file__).parents[1] / "vegas_core" / "speculative.py"
+    imported = {node.module for node in ast.walk(ast.parse(source.read_text()))
+                if isinstance(node, ast.ImportFrom)}
+    assert "vegas_core.generation" not in imported
+
+
+def test_measurer_reports_the_steady_rate_over_full_batches():
+    from vegas_tune.datasets import Prompt
+    from vegas_tune.measure import Measurer, Workload
+
+    prompts = [Prompt(f"p{i}", prompt(40, i)) for i in range(3)]
+    workload = Workload(prompts, batch_size=2, max_new_tokens=12)
+    assert [len(b) for b in workload.batches()] == [2, 2]
+    assert workload.batches()[1][1] == prompts[0].ids  # wrapped around
+    m = Measurer(tiny_model(), workload).measure(SPEC)
+    assert m.tokens_per_second == pytest.approx(m.steady_tokens / m.steady_seconds)
+    assert m.completion_tokens_per_second == pytest.approx(m.decode_tokens / m.decode_seconds)
+    assert 0 < m.steady_iterations <= m.iterations
+    assert m.wall_seconds >= m.decode_seconds + m.prefill_seconds
+    assert m.draft_step_seconds > 0 and m.verify_step_seconds > 0
