@@ -138,13 +138,13 @@ def run_method(model, prompts, method: str, args, batch: int
             draft_seconds=s.draft_seconds, verify_seconds=s.verify_seconds,
             selection_seconds=s.selection_seconds, selection_overhead=s.selection_overhead,
         )
-    free_memory(model.device)
     if args.compare_tuner:
+        # Right after the timed run, as a tuner's trials follow one another.
         workload = Workload(prompts, batch, args.max_new_tokens)
         m = Measurer(model, workload).measure(spec)
         row.update(tuner_tokens_per_second=m.tokens_per_second,
                    tuner_wall_seconds=m.wall_seconds, tuner_decode_seconds=m.decode_seconds)
-        free_memory(model.device)
+    free_memory(model.device)
     steady = row["steady_tokens_per_second"]
     log(f"{label}: steady {rate(steady)} tok/s, to completion {rate(s.tokens_per_second)} "
         f"tok/s over {s.decode_seconds:.3f}s"

@@ -28,7 +28,7 @@ class PromptSlots:
     def common_prefix(self, ids: list[int]) -> int:
         """How many leading tokens ``ids`` shares with the slots."""
         n = min(len(self.ids), len(ids))
-        if self.ids[:n] == ids[:n]:
+        if (self.ids if len(self.ids) == n else self.ids[:n]) == (ids if len(ids) == n else ids[:n]):
             return n
         return next(i for i, (a, b) in enumerate(zip(self.ids, ids)) if a != b)
 
