@@ -74,3 +74,17 @@ def test_measurer_reports_the_steady_rate_over_full_batches():
     assert 0 < m.steady_iterations <= m.iterations
     assert m.wall_seconds >= m.decode_seconds + m.prefill_seconds
     assert m.draft_step_seconds > 0 and m.verify_step_seconds > 0
+
+
+def test_the_garbage_collector_is_paused_only_while_decoding():
+    import gc
+
+    seen = []
+
+    def progress(phase, done, total):
+        if phase == "decode":
+            seen.append(gc.isenabled())
+
+    assert gc.isenabled()
+    generate(tiny_model(), [prompt(20, 1)], max_new_tokens=4, ignore_eos=True, progress=progress)
+    assert seen and not any(seen) and gc.isenabled()

@@ -16,8 +16,10 @@ token limit cuts them. ``tokens_per_second`` keeps the batch-to-completion rate.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -173,9 +175,30 @@ class _LoopRecord:
     steady_phases: dict[str, float] = field(default_factory=dict)
 
 
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the loop: a full collection walks every
+    object the process holds (a loaded tokenizer, long prompts: over 100 ms on a slow
+    host) and would land in one iteration's time. The loop's own garbage is freed by
+    reference counting; cycles are collected once it ends."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def _decode_loop(decoder: Decoder, batch: int, max_new_tokens: int, eos: set[int],
                  progress: ProgressFn | None) -> _LoopRecord:
     """Run ``decoder`` until every sequence has hit EOS or ``max_new_tokens``."""
+    with _gc_paused():
+        return _run_loop(decoder, batch, max_new_tokens, eos, progress)
+
+
+def _run_loop(decoder: Decoder, batch: int, max_new_tokens: int, eos: set[int],
+              progress: ProgressFn | None) -> _LoopRecord:
     rec = _LoopRecord(out=[[] for _ in range(batch)])
     done = [False] * batch
 
