@@ -17,6 +17,15 @@ from dataclasses import dataclass
 import torch
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two id lists share (one C-level compare when all of the
+    shorter one is shared, the usual case)."""
+    n = min(len(a), len(b))
+    if (a if len(a) == n else a[:n]) == (b if len(b) == n else b[:n]):
+        return n
+    return next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+
+
 @dataclass
 class PromptSlots:
     """Slots [0, len(ids)) of a row hold the K/V a prefill of ``ids`` computes;
@@ -24,13 +33,6 @@ class PromptSlots:
 
     ids: list[int]
     last_hidden: torch.Tensor | None = None
-
-    def common_prefix(self, ids: list[int]) -> int:
-        """How many leading tokens ``ids`` shares with the slots."""
-        n = min(len(self.ids), len(ids))
-        if (self.ids if len(self.ids) == n else self.ids[:n]) == (ids if len(ids) == n else ids[:n]):
-            return n
-        return next(i for i, (a, b) in enumerate(zip(self.ids, ids)) if a != b)
 
 
 class KVCache:

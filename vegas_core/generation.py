@@ -115,7 +115,7 @@ class VanillaDecoder:
     def __init__(self, model: LoadedModel, prompt_ids: list[list[int]], params: SamplingParams,
                  max_new_tokens: int, *, prefill_chunk: int | None,
                  progress: ProgressFn | None, prefix_cache: PrefixCache | None) -> None:
-        self.model, self.params = model, params
+        self.params = params
         self.timers: dict[str, float] = {}
         batch = len(prompt_ids)
         self.cache, self._forward = _decode_setup(
@@ -193,12 +193,6 @@ def _gc_paused() -> Iterator[None]:
 def _decode_loop(decoder: Decoder, batch: int, max_new_tokens: int, eos: set[int],
                  progress: ProgressFn | None) -> _LoopRecord:
     """Run ``decoder`` until every sequence has hit EOS or ``max_new_tokens``."""
-    with _gc_paused():
-        return _run_loop(decoder, batch, max_new_tokens, eos, progress)
-
-
-def _run_loop(decoder: Decoder, batch: int, max_new_tokens: int, eos: set[int],
-              progress: ProgressFn | None) -> _LoopRecord:
     rec = _LoopRecord(out=[[] for _ in range(batch)])
     done = [False] * batch
 
@@ -209,34 +203,35 @@ def _run_loop(decoder: Decoder, batch: int, max_new_tokens: int, eos: set[int],
                 done[i] = True
                 return
 
-    for i, tok in enumerate(decoder.first_tokens()):
-        take(i, [tok])
-    while not all(done):
-        full = not any(done)
-        captures = graphs.capture_count()
-        phases = dict(decoder.timers)
-        t0 = time.perf_counter()
-        new = decoder.step([not d for d in done])
-        seconds = time.perf_counter() - t0
-        rec.iterations += 1
-        if full and graphs.capture_count() == captures:
-            rec.steady_iterations += 1
-            rec.steady_tokens += sum(len(n) for n in new)
-            rec.steady_seconds += seconds
-            for phase, total in decoder.timers.items():
-                rec.steady_phases[phase] = (rec.steady_phases.get(phase, 0.0)
-                                            + total - phases.get(phase, 0.0))
-        for i in range(batch):
-            if done[i]:
-                continue
-            rec.rounds += 1
-            drafted = len(new[i]) - 1  # accepted drafts; the last token is the bonus
-            rec.accepted_at.extend([0] * (drafted - len(rec.accepted_at)))
-            for p in range(drafted):
-                rec.accepted_at[p] += 1
-            take(i, new[i])
-        if progress:
-            progress("decode", min(len(o) for o in rec.out), max_new_tokens)
+    with _gc_paused():
+        for i, tok in enumerate(decoder.first_tokens()):
+            take(i, [tok])
+        while not all(done):
+            full = not any(done)
+            captures = graphs.capture_count()
+            phases = dict(decoder.timers)
+            t0 = time.perf_counter()
+            new = decoder.step([not d for d in done])
+            seconds = time.perf_counter() - t0
+            rec.iterations += 1
+            if full and graphs.capture_count() == captures:
+                rec.steady_iterations += 1
+                rec.steady_tokens += sum(len(n) for n in new)
+                rec.steady_seconds += seconds
+                for phase, total in decoder.timers.items():
+                    rec.steady_phases[phase] = (rec.steady_phases.get(phase, 0.0)
+                                                + total - phases.get(phase, 0.0))
+            for i in range(batch):
+                if done[i]:
+                    continue
+                rec.rounds += 1
+                drafted = len(new[i]) - 1  # accepted drafts; the last token is the bonus
+                rec.accepted_at.extend([0] * (drafted - len(rec.accepted_at)))
+                for p in range(drafted):
+                    rec.accepted_at[p] += 1
+                take(i, new[i])
+            if progress:
+                progress("decode", min(len(o) for o in rec.out), max_new_tokens)
     return rec
 
 

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from vegas_core.attention import AttentionMeta, prefill_kernels_enabled
-from vegas_core.cache import KVCache, PromptSlots
+from vegas_core.cache import KVCache, PromptSlots, common_prefix
 from vegas_core.errors import VegasError
 
 # progress(phase, done, total) with phase "prefill" (tokens) or "decode" (tokens).
@@ -70,7 +70,8 @@ def encode_prompts(model, prompts: Sequence[str] | Sequence[Sequence[int]] | str
                 raise VegasError(f"prompt {i}: token ids must be integers") from None
             bad = array[(array < 0) | (array >= vocab)]
             if bad.size:
-                raise VegasError(f"prompt {i}: token id {bad[0]} outside the vocabulary [0, {vocab})")
+                raise VegasError(f"prompt {i}: token id {bad[0]} outside the vocabulary "
+                                 f"[0, {vocab})")
             ids = array.tolist()
         if not ids:
             raise VegasError(f"prompt {i} is empty; give it at least one token")
@@ -100,13 +101,6 @@ def _available_host_bytes() -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-
-
-def _common_prefix(a, b) -> int:
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    return next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
 
 
 class PrefixCache:
@@ -145,7 +139,7 @@ class PrefixCache:
         the most leading tokens (m) with ``ids``; last_hidden only if it is ids' own."""
         best, best_len = None, 0
         for i in self._candidates(ids):
-            m = _common_prefix(self._entries[i][0], ids)
+            m = common_prefix(self._entries[i][0], ids)
             if m > best_len:
                 best, best_len = i, m
         if best is None:
@@ -251,7 +245,7 @@ def prefill(model, prompt_ids: list[list[int]], cache: KVCache, *,
             starts.append(0)
             continue
         held = cache.prompts[b]
-        start = held.common_prefix(ids) if held is not None else 0
+        start = common_prefix(held.ids, ids) if held is not None else 0
         if start < len(ids) and reuse is not None:
             m, k, v, last = reuse.find(ids)
             if m > start:

@@ -121,7 +121,7 @@ class Measurer:
                 accepted = [a + r * s.sequence_rounds
                             for a, r in zip(accepted, s.acceptance_by_position)]
             if report:
-                report(i, _ratio(steady_tokens, steady_seconds) or _ratio(tokens, seconds))
+                report(i, _ratio(steady_tokens or tokens, steady_seconds or seconds))
         if not steady_seconds and not self._warned_short:
             self._warned_short = True
             log.warning("no steady decode iteration (raise --max-new-tokens): reporting "
@@ -129,11 +129,11 @@ class Measurer:
         by_position = [a / rounds for a in accepted] if rounds else []
         gamma = spec.gamma if spec else 0
         if steady_seconds:
-            costs, steps = phases, steady_iterations
+            costs, steps, timed, produced = phases, steady_iterations, steady_seconds, steady_tokens
         else:  # a workload too short for a steady window: every iteration
-            costs, steps = totals, iterations
+            costs, steps, timed, produced = totals, iterations, seconds, tokens
         return Measurement(
-            tokens_per_second=_ratio(steady_tokens, steady_seconds) or _ratio(tokens, seconds),
+            tokens_per_second=_ratio(produced, timed),
             completion_tokens_per_second=_ratio(tokens, seconds),
             decode_seconds=seconds,
             decode_tokens=tokens,
@@ -149,6 +149,5 @@ class Measurer:
             draft_step_seconds=_ratio(costs["draft"], steps * gamma),
             verify_step_seconds=_ratio(costs["verify"], steps),
             selection_step_seconds=_ratio(costs["selection"], steps),
-            decode_step_seconds=(_ratio(steady_seconds, steady_iterations) or
-                                 _ratio(seconds, iterations)) if spec is None else 0.0,
+            decode_step_seconds=_ratio(timed, steps) if spec is None else 0.0,
         )
