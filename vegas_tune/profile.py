@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from vegas_core.errors import VegasError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 # Upper bound of ``Tuned.window`` (as ``vegas_core.spec_config.MAX_WINDOW``): at least a
 # quarter of a vegas budget stays verification-guided.
@@ -94,17 +94,34 @@ class Hardware(_Strict):
     cpu_count: int
 
 
+# A confidence interval: [low, high] around a mean.
+Interval = list[float]
+
+
 class Results(_Strict):
-    """Measured throughput and acceptance of the tuned settings."""
+    """Measured throughput and acceptance of the tuned settings.
+
+    Every throughput and speedup is the mean over ``rounds`` interleaved measurement
+    rounds (tuned, vanilla and streaming measured one after another in each round), with
+    its ``confidence`` interval beside it as ``<name>_interval: [low, high]``. Speedups
+    are means of per-round ratios, so drift between rounds hits both sides of a ratio.
+    """
 
     tokens_per_second: float
+    tokens_per_second_interval: Interval
     vanilla_tokens_per_second: float
+    vanilla_tokens_per_second_interval: Interval
     streaming_tokens_per_second: float
+    streaming_tokens_per_second_interval: Interval
     speedup: float
+    speedup_interval: Interval
     speedup_over_streaming: float
+    speedup_over_streaming_interval: Interval
     mean_accepted_length: float
     acceptance_by_position: list[float]
     selection_overhead: float
+    rounds: int = Field(description="interleaved measurement rounds behind each figure")
+    confidence: float = Field(description="confidence level of the intervals, e.g. 0.95")
 
 
 class GammaPrediction(_Strict):
@@ -113,6 +130,8 @@ class GammaPrediction(_Strict):
     gamma: int
     predicted_tokens_per_second: float
     measured_tokens_per_second: float | None
+    measured_speedup: float | None = None
+    measured_speedup_interval: Interval | None = None
 
 
 class StepSummary(_Strict):
@@ -124,6 +143,9 @@ class StepSummary(_Strict):
     chosen: dict[str, float | int | str]
     notes: str = ""
     predictions: list[GammaPrediction] = Field(default_factory=list)
+    # Measured configurations whose speedup interval overlaps the chosen one's: the step
+    # could not tell them apart, and chose the cheapest (see docs/tuning.md).
+    within_noise: list[dict[str, float | int | str]] = Field(default_factory=list)
 
 
 class Provenance(_Strict):
