@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -103,3 +104,181 @@ def test_installed_entry_point_exit_code(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("error:") and "Traceback" not in proc.stderr
+
+
+# ---- every user error: exit 2, exactly one line naming the flag or variable -----------
+
+def assert_only_line(code, err, *fragments, absent=()):
+    """Exit 2 and stderr is exactly one ``error:`` line (no warning, no second line)."""
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), err
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    for fragment in absent:
+        assert fragment not in lines[0], lines[0]
+
+
+def test_speculative_option_without_drafter_is_refused(capsys):
+    code, err = run(["generate", "--model", "dummy:tiny", "--prompt", "a", "--sparsity", "1.5"],
+                    capsys)
+    assert_only_line(code, err, "--sparsity")
+    # A valid value is refused too: without --drafter it would be silently ignored.
+    code, err = run(["generate", "--model", "dummy:tiny", "--prompt", "a", "--sparsity", "0.5"],
+                    capsys)
+    assert_only_line(code, err, "--sparsity applies only to speculative decoding", "--drafter")
+    code, err = run(["generate", "--model", "dummy:tiny", "--prompt", "a", "--gamma", "3"],
+                    capsys)
+    assert_only_line(code, err, "--gamma", "--drafter")
+
+
+def test_speculative_option_out_of_range_names_the_flag(capsys):
+    code, err = run(["generate", "--model", "dummy:tiny", "--prompt", "a", "--drafter", "vegas",
+                     "--sparsity", "1.5"], capsys)
+    assert_only_line(code, err, "--sparsity")
+
+
+def test_prompt_file_that_is_not_utf8_is_refused(tmp_path, capsys):
+    prompt = tmp_path / "latin1.txt"
+    prompt.write_bytes("café au lait".encode("latin-1"))
+    code, err = run(["generate", "--model", "dummy:tiny", "--prompt-file", str(prompt)], capsys)
+    assert_only_line(code, err, "--prompt-file", "not UTF-8", "offset 3")
+
+
+def test_model_too_big_for_memory_is_refused_before_loading(tmp_path):
+    # In a child process with its address space capped: were the check missing, the
+    # 30 GiB allocation would fail there (exit 1) instead of the kernel killing pytest.
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import resource, sys\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (16 * 2**30, 16 * 2**30))\n"
+        "import vegas_core.loading.memory as memory\n"
+        "memory.available_bytes = lambda device: 24 * 2**30  # a 24 GiB machine\n"
+        "from vegas_core.cli import app, run_app\n"
+        "sys.exit(run_app(app, ['generate', '--model', 'dummy:qwen3-8b', '--prompt', 'hi',\n"
+        "                       '--device', 'cpu', '--dtype', 'float32'], prog_name='vegas'))\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=300)
+    assert_only_line(proc.returncode, proc.stderr, "dummy:qwen3-8b in float32 needs about 30.5 GiB",
+                     "only 24.0 GiB is free", "--dtype bfloat16")
+
+
+# ---- vegas-tune -----------------------------------------------------------------------
+
+TUNE = ["--model", "dummy:tiny", "--ctx", "512", "--device", "cpu"]
+
+
+@pytest.fixture
+def no_tuning(monkeypatch):
+    """Bad input must be refused before ``run_tune`` loads a model or runs a step."""
+    def run_tune(*args, **kwargs):
+        raise AssertionError("run_tune was reached: the input was not checked up front")
+
+    monkeypatch.setattr("vegas_tune.pipeline.run_tune", run_tune)
+    for name in list(os.environ):
+        if name.startswith("VEGAS_TUNE_"):
+            monkeypatch.delenv(name)
+
+
+def tune(argv, capsys):
+    from vegas_tune import cli
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    return exit_info.value.code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, fragments", [
+    (["--storage", "/sys/x.journal"], ["--storage /sys/x.journal", "cannot write"]),
+    (["--out", "/sys/x/p.yaml"], ["--out /sys/x/p.yaml", "cannot write"]),
+    (["--storage", "sqlite:////nonexistent/t.db"], ["--storage", "/nonexistent does not exist"]),
+    (["--tolerance", "-1"], ["--tolerance must be in [0, 1)"]),
+    (["--tolerance", "1"], ["--tolerance must be in [0, 1)"]),
+    (["--temperature", "-0.5"], ["--temperature must be >= 0"]),
+    (["--time-budget", "0"], ["--time-budget must be > 0"]),
+    (["--seed", "-1"], ["--seed must be between 0 and"]),
+    (["--refine-trials", "0"], ["--refine-trials must be >= 1"]),
+    (["--gamma-max", "100"], ["--gamma-max must be <= 64"]),
+    (["--precision", "1.5"], ["--precision must be in (0, 1)"]),
+    (["--log-level", "LOUD"], ["--log-level 'LOUD'"]),
+    (["--device", "tpu"], ["--device", "unknown device 'tpu'"]),
+    (["--dtype", "float8"], ["--dtype", "unknown dtype 'float8'"]),
+    (["--ctx", "20k"], ["--ctx 20480 + --max-new-tokens 64", "maximum of 16384 positions"]),
+])
+def test_bad_tune_settings_are_refused_up_front(argv, fragments, no_tuning, tmp_path, capsys):
+    out = [] if "--out" in argv else ["--out", str(tmp_path / "p.yaml")]
+    code, err = tune([*TUNE, *out, *argv], capsys)
+    assert_only_line(code, err, *fragments)
+
+
+def test_bench_batch_size_zero(no_tuning, capsys):
+    code, err = tune(["bench", *TUNE, "--batch-size", "0"], capsys)
+    assert_only_line(code, err, "--batch-size must be >= 1")
+    code, err = tune(["bench", *TUNE, "--num-prompts", "0"], capsys)  # was taken as "unset"
+    assert_only_line(code, err, "--num-prompts must be >= 1")
+    code, err = tune(["bench", *TUNE, "--gamma", "0"], capsys)
+    assert_only_line(code, err, "--gamma must be between 1 and 64")
+
+
+def test_setting_from_the_environment_names_the_variable(no_tuning, monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("VEGAS_TUNE_CTX", "abc")
+    code, err = tune(["--out", str(tmp_path / "p.yaml")], capsys)
+    assert_only_line(code, err, "VEGAS_TUNE_CTX 'abc' is not a token count", absent=["--ctx"])
+    monkeypatch.setenv("VEGAS_TUNE_CTX", "4k")
+    monkeypatch.setenv("VEGAS_TUNE_TOLERANCE", "2")
+    code, err = tune(["--out", str(tmp_path / "p.yaml")], capsys)
+    assert_only_line(code, err, "VEGAS_TUNE_TOLERANCE must be in [0, 1)", absent=["--tolerance"])
+
+
+def test_setting_from_the_config_file_names_the_file_and_key(no_tuning, tmp_path, capsys):
+    config = tmp_path / "tune.yaml"
+    config.write_text("ctx: abc\n")
+    code, err = tune(["--config", str(config), "--out", str(tmp_path / "p.yaml")], capsys)
+    assert_only_line(code, err, f"{config}: ctx 'abc' is not a token count", absent=["--ctx"])
+    config.write_text("batch-size: 2.5\n")
+    code, err = tune(["--config", str(config), "--out", str(tmp_path / "p.yaml")], capsys)
+    assert_only_line(code, err, f"{config}: batch-size '2.5' is not a whole number")
+
+
+def test_config_file_with_yaml_aliases_is_refused(no_tuning, tmp_path, capsys):
+    config = tmp_path / "tune.yaml"
+    config.write_text("a: &n 3\nrefine-trials: *n\n")
+    code, err = tune(["--config", str(config), "--out", str(tmp_path / "p.yaml")], capsys)
+    assert_only_line(code, err, str(config), "anchors")
+
+
+def test_empty_dataset_file_says_it_has_no_records(no_tuning, tmp_path, capsys):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    code, err = tune([*TUNE, "--out", str(tmp_path / "p.yaml"), "--dataset", str(empty)],
+                     capsys)
+    assert_only_line(code, err, "has no records", absent=["column"])
+
+
+def test_model_too_big_for_memory_is_refused_before_tuning(no_tuning, monkeypatch, tmp_path,
+                                                          capsys):
+    monkeypatch.setattr("vegas_core.loading.memory.available_bytes", lambda device: 24 * 2**30)
+    code, err = tune(["--model", "dummy:qwen3-8b", "--device", "cpu", "--dtype", "float32",
+                      "--out", str(tmp_path / "p.yaml")], capsys)
+    # The KV cache in the message: the tune's own check ran, before loading.
+    assert_only_line(code, err, "dummy:qwen3-8b in float32 needs about", "KV cache",
+                     "--dtype bfloat16")
+
+
+def test_multi_line_messages_are_printed_on_one_line(capsys):
+    import typer
+
+    from vegas_core.errors import VegasError
+
+    lib = typer.Typer()
+
+    @lib.command()
+    def fail() -> None:
+        raise VegasError("cannot open storage: OperationalError\n(Background on this error)")
+
+    @lib.command()
+    def other() -> None:
+        pass
+
+    code = run_app(lib, ["fail"])
+    assert_only_line(code, capsys.readouterr().err, "OperationalError (Background")

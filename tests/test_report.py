@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import copy
 import math
+from types import SimpleNamespace
 
 import pandas as pd
 import pytest
 import torch
+from matplotlib.container import ErrorbarContainer
 
 from vegas_core.errors import VegasError
 from vegas_tune.hardware import FINGERPRINT_KEYS, fingerprint, gpu_slug
-from vegas_tune.report import (plot_acceptance_vs_sparsity, plot_throughput_vs_gamma,
-                               write_report, write_trials_table)
+from vegas_tune.report import (acceptance_figure, plot_acceptance_vs_sparsity,
+                               plot_throughput_vs_gamma, throughput_figure, write_report,
+                               write_trials_table)
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -24,15 +28,30 @@ TRIALS = [
     {"step": "selection", "number": 0, "state": "COMPLETE", "score": "vegas", "window": 64,
      "mean_accepted_length": 3.3},
     {"step": "gamma", "number": 0, "state": "COMPLETE", "gamma": 4, "tokens_per_second": 130.5,
+     "tokens_per_second_low": 127.0, "tokens_per_second_high": 134.0,
      "predicted_tokens_per_second": 128.0},
     {"step": "gamma", "number": 1, "state": "COMPLETE", "gamma": 6, "tokens_per_second": 141.25,
+     "tokens_per_second_low": 138.0, "tokens_per_second_high": 144.5,
      "predicted_tokens_per_second": 139.0},
+    # The final measurement: one trial, one row per configuration, in interleaved rounds.
+    {"step": "baselines", "number": 0, "state": "COMPLETE", "config": "chosen", "gamma": 6,
+     "tokens_per_second": 141.25, "tokens_per_second_low": 138.0,
+     "tokens_per_second_high": 144.5, "speedup": 1.4125, "speedup_low": 1.38,
+     "speedup_high": 1.46, "mean_accepted_length": 3.05, "rounds": 5},
+    {"step": "baselines", "number": 0, "state": "COMPLETE", "config": "vanilla",
+     "tokens_per_second": 100.0, "tokens_per_second_low": 98.0, "tokens_per_second_high": 102.0,
+     "mean_accepted_length": 1.0, "rounds": 5},
+    {"step": "baselines", "number": 0, "state": "COMPLETE", "config": "streaming", "gamma": 6,
+     "tokens_per_second": 120.0, "tokens_per_second_low": 117.5,
+     "tokens_per_second_high": 122.5, "speedup": 1.2, "speedup_low": 1.17,
+     "speedup_high": 1.23, "mean_accepted_length": 2.6, "rounds": 5},
 ]
 
 PREDICTIONS = [
     {"gamma": 2, "predicted_tokens_per_second": 110.0, "measured_tokens_per_second": None},
     {"gamma": 4, "predicted_tokens_per_second": 128.0, "measured_tokens_per_second": 130.5},
-    {"gamma": 6, "predicted_tokens_per_second": 139.0, "measured_tokens_per_second": 141.25},
+    {"gamma": 6, "predicted_tokens_per_second": 139.0, "measured_tokens_per_second": 141.25,
+     "measured_speedup": 1.41, "measured_speedup_interval": [1.37, 1.45]},
     {"gamma": 8, "predicted_tokens_per_second": 133.0, "measured_tokens_per_second": None},
 ]
 
@@ -48,15 +67,25 @@ def make_profile(recommended: bool = True) -> dict:
         "hardware": {"gpu_name": "NVIDIA H200", "gpu_count": 1, "gpu_memory_gb": 139.8,
                      "driver": "550.54", "cuda": "12.4", "torch": "2.5.1", "triton": "3.1.0",
                      "cpu": "Intel Xeon", "cpu_count": 16},
-        "results": {"tokens_per_second": 141.25, "vanilla_tokens_per_second": 100.0,
-                    "streaming_tokens_per_second": 120.0, "speedup": 1.4125,
-                    "speedup_over_streaming": 1.177, "mean_accepted_length": 3.05,
-                    "acceptance_by_position": [0.91, 0.8, 0.66], "selection_overhead": 0.042},
+        "results": {"tokens_per_second": 141.25, "tokens_per_second_interval": [138.0, 144.5],
+                    "vanilla_tokens_per_second": 100.0,
+                    "vanilla_tokens_per_second_interval": [98.0, 102.0],
+                    "streaming_tokens_per_second": 120.0,
+                    "streaming_tokens_per_second_interval": [117.5, 122.5],
+                    "speedup": 1.4125, "speedup_interval": [1.38, 1.46],
+                    "speedup_over_streaming": 1.177,
+                    "speedup_over_streaming_interval": [1.15, 1.2],
+                    "mean_accepted_length": 3.05,
+                    "acceptance_by_position": [0.91, 0.8, 0.66], "selection_overhead": 0.042,
+                    "rounds": 5, "confidence": 0.95},
         "steps": [
-            {"name": "sparsity", "study": "s1", "trials": 3, "chosen": {"sparsity_ratio": 0.05},
+            {"name": "sparsity", "study": "s1", "trials": 3,
+             "chosen": {"sparsity": 0.05, "mean_accepted_length": 3.1},
              "notes": "knee | of the curve"},
-            {"name": "gamma", "study": "s3", "trials": 2, "chosen": {"gamma": 6}, "notes": "",
-             "predictions": PREDICTIONS},
+            {"name": "gamma", "study": "s3", "trials": 2,
+             "chosen": {"gamma": 6, "tokens_per_second": 141.25, "speedup": 1.41,
+                        "speedup_low": 1.37, "speedup_high": 1.45},
+             "notes": "", "predictions": PREDICTIONS},
         ],
         "provenance": {"tool_version": "0.1.0", "git_revision": "abc1234",
                        "command": "vegas-tune smollm2-135m --ctx 8192",
@@ -130,8 +159,12 @@ def assert_png(path):
 
 
 def test_plots_write_png_files(tmp_path):
-    acceptance = plot_acceptance_vs_sparsity(TRIALS, tmp_path / "acceptance.png", chosen=0.05)
-    throughput = plot_throughput_vs_gamma(PREDICTIONS, tmp_path / "throughput.png", chosen=6)
+    profile = make_profile()
+    acceptance = plot_acceptance_vs_sparsity(TRIALS, tmp_path / "acceptance.png",
+                                             tuned=profile["tuned"], step1_sparsity=0.02)
+    throughput = plot_throughput_vs_gamma(PREDICTIONS, tmp_path / "throughput.png",
+                                          tuned=profile["tuned"], results=profile["results"],
+                                          trials=TRIALS)
     assert_png(acceptance)
     assert_png(throughput)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["acceptance.png", "throughput.png"]
@@ -142,7 +175,100 @@ def test_plots_without_data_still_write_png_files(tmp_path):
     assert_png(plot_throughput_vs_gamma([], tmp_path / "t.png"))
 
 
+def legend(figure) -> dict:
+    """label -> artist of the figure's one axes."""
+    handles, labels = figure.axes[0].get_legend_handles_labels()
+    return dict(zip(labels, handles))
+
+
+def test_acceptance_plot_marks_the_tuned_sparsity_and_step_1s_apart():
+    # Step 1 chose 0.2 by acceptance; refine moved the profile's sparsity to 0.3443.
+    labels = legend(acceptance_figure(TRIALS, tuned={"sparsity_ratio": 0.3443},
+                                      step1_sparsity=0.2))
+    assert list(labels["tuned: 0.3443"].get_xdata()) == [0.3443, 0.3443]
+    assert list(labels["step 1: 0.2"].get_xdata()) == [0.2, 0.2]
+    assert not any(label.startswith("chosen") for label in labels)
+    # Nothing moved: one line, saying both.
+    labels = legend(acceptance_figure(TRIALS, tuned={"sparsity_ratio": 0.05},
+                                      step1_sparsity=0.05))
+    assert [label for label in labels if label != "trial"] == ["tuned (= step 1): 0.05"]
+
+
+def test_throughput_plot_has_a_vanilla_line_with_its_band_and_error_bars():
+    profile = make_profile()
+    figure = throughput_figure(PREDICTIONS, tuned=profile["tuned"], results=profile["results"],
+                               trials=TRIALS)
+    labels = legend(figure)
+    assert list(labels["vanilla 100.0 tokens/s"].get_ydata()) == [100.0, 100.0]
+    band = labels["vanilla 95% interval"]
+    ys = band.get_patch_transform().transform(band.get_path().vertices)[:, 1]
+    assert (min(ys), max(ys)) == pytest.approx((98.0, 102.0))
+    assert list(labels["tuned: 6"].get_xdata()) == [6, 6]
+    bars = next(c for c in figure.axes[0].containers if isinstance(c, ErrorbarContainer))
+    assert bars.has_yerr
+    assert list(bars.lines[0].get_xdata()) == [4, 6]
+    segments = [[tuple(point) for point in segment] for segment in bars.lines[2][0].get_segments()]
+    assert segments == [[(4, 127.0), (4, 134.0)], [(6, 138.0), (6, 144.5)]]
+
+
+def test_throughput_plot_falls_back_to_the_profiles_measured_points():
+    bars = next(c for c in throughput_figure(PREDICTIONS).axes[0].containers
+                if isinstance(c, ErrorbarContainer))
+    assert list(bars.lines[0].get_ydata()) == [130.5, 141.25]
+
+
+# --- write_artifacts (vegas_tune.pipeline) --------------------------------------------
+
+def tune_result(profile: dict) -> SimpleNamespace:
+    """What ``Tuner.run`` returns, as far as ``write_artifacts`` reads it."""
+    steps = [SimpleNamespace(name=step["name"], chosen=step["chosen"],
+                             predictions=step.get("predictions") or []) for step in profile["steps"]]
+    return SimpleNamespace(trials=TRIALS, steps=steps)
+
+
+def moved_sparsity_profile() -> dict:
+    """Step 1 chose 0.2 by acceptance; refine moved the tuned sparsity to 0.3443."""
+    profile = make_profile()
+    profile["tuned"]["sparsity_ratio"] = 0.3443
+    profile["steps"][0]["chosen"] = {"sparsity": 0.2, "mean_accepted_length": 3.1}
+    return profile
+
+
+def test_artifacts_keep_the_whole_stem_of_a_dotted_profile_name(tmp_path):
+    from vegas_tune.pipeline import write_artifacts
+
+    # run_tune passes out.with_suffix(""): my.v2.yaml -> my.v2
+    profile = make_profile()
+    paths = write_artifacts(profile, tune_result(profile), tmp_path / "my.v2")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "my.v2.acceptance.png", "my.v2.report.md", "my.v2.throughput.png", "my.v2.trials.csv"]
+    assert paths["trials"] == str(tmp_path / "my.v2.trials.csv")
+    report = (tmp_path / "my.v2.report.md").read_text()
+    assert "(my.v2.acceptance.png)" in report and "(my.v2.throughput.png)" in report
+
+
+def test_artifacts_plots_mark_the_profiles_tuned_values(tmp_path, monkeypatch):
+    from vegas_tune import pipeline
+
+    calls = {}
+    monkeypatch.setattr(pipeline, "plot_acceptance_vs_sparsity",
+                        lambda trials, path, **kw: calls.setdefault("acceptance", kw))
+    monkeypatch.setattr(pipeline, "plot_throughput_vs_gamma",
+                        lambda predictions, path, **kw: calls.setdefault("throughput", kw))
+    profile = moved_sparsity_profile()
+    pipeline.write_artifacts(profile, tune_result(profile), tmp_path / "p")
+    labels = legend(acceptance_figure(TRIALS, **calls["acceptance"]))
+    assert "tuned: 0.3443" in labels and "step 1: 0.2" in labels
+    assert calls["throughput"]["tuned"] == profile["tuned"]
+    assert calls["throughput"]["results"] == profile["results"]
+
+
 # --- report --------------------------------------------------------------------------
+
+def section(text: str, heading: str) -> str:
+    """The body of the Markdown section ``## heading``."""
+    return text.split(f"## {heading}\n")[1].split("\n## ")[0]
+
 
 def test_report_states_the_tuned_values_speedups_and_images(tmp_path):
     images = {"Acceptance vs sparsity": "acceptance.png",
@@ -150,37 +276,130 @@ def test_report_states_the_tuned_values_speedups_and_images(tmp_path):
     path = write_report(make_profile(), TRIALS, tmp_path / "report.md", images)
     text = path.read_text()
     assert text.startswith("# Vegas tuning: smollm2-135m on NVIDIA H200, ctx 8192")
-    assert "**Recommended**" in text and "no configuration beat vanilla" not in text
+    assert "**Recommended**" in text and "Not recommended" not in text
     for value in ("gamma=6", "sparsity_ratio=0.05", "min_tokens=256", "score=vegas", "window=64"):
         assert value in text
-    assert "141.2 tokens/s vs 100.0 vanilla (1.41x)" in text
-    assert "120.0 streaming (1.18x)" in text
+    assert ("- Speedup: 1.41x [1.38, 1.46] over vanilla (95% interval, 5 rounds); "
+            "1.18x [1.15, 1.20] over streaming.") in text
+    assert ("- Throughput: 141.2 [138.0, 144.5] tokens/s vs 100.0 [98.0, 102.0] vanilla and "
+            "120.0 [117.5, 122.5] streaming.") in text
     assert "3.05" in text and "4.2% of decode time" in text
     assert "![Acceptance vs sparsity](acceptance.png)" in text
     assert "![Throughput vs gamma](plots/throughput.png)" in text
     # Gamma predictions: predicted and measured side by side, n/a where not measured.
-    assert "| 4 | 128.0 | 130.5 |" in text and "| 8 | 133.0 | n/a |" in text
-    # Best trials: the gamma step ranked by measured tokens/s, best first.
+    assert "| 4 | 128.0 | 130.5 | n/a |" in text and "| 8 | 133.0 | n/a | n/a |" in text
+    assert "| 6 | 139.0 | 141.2 | 1.41x [1.37, 1.45] |" in text
+    # A step's chosen measurement with its interval folded in.
+    assert "gamma=6, tokens_per_second=141.2, speedup=1.41 [1.37, 1.45]" in text
+    # Best trials: the gamma step ranked by measured tokens/s, best first, with intervals.
     gamma_section = text.split("### gamma")[1]
-    assert gamma_section.index("141.2") < gamma_section.index("130.5")
+    assert gamma_section.index("141.2 [138, 144.5]") < gamma_section.index("130.5 [127, 134]")
     assert "knee \\| of the curve" in text  # a "|" in notes does not break the table
     assert "vegas-tune smollm2-135m --ctx 8192" in text and "2025-01-02T03:04:05Z" in text
     assert "12 min 34 s" in text
     assert "driver 550.54" in text
 
 
-def test_report_says_plainly_when_nothing_beat_vanilla(tmp_path):
+def test_baselines_table_labels_each_row_with_mean_and_interval(tmp_path):
+    text = write_report(make_profile(), TRIALS, tmp_path / "report.md", {}).read_text()
+    table = section(text, "Baselines")
+    assert "95% interval" in table
+    assert "| configuration | tokens/s | speedup vs vanilla | mean accepted length | rounds |" in table
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert rows == [
+        "| chosen (the tuned settings) | 141.2 [138.0, 144.5] | 1.41x [1.38, 1.46] | 3.05 | 5 |",
+        "| vanilla (no speculation) | 100.0 [98.0, 102.0] | 1.00x (reference) | 1.00 | 5 |",
+        "| streaming drafter (same budget) | 120.0 [117.5, 122.5] | 1.20x [1.17, 1.23] | 2.60 | 5 |",
+    ]
+    # The unlabelled best-trials table of the baselines step is gone.
+    assert "### baselines" not in text
+
+
+def test_baselines_table_shows_the_trial_behind_the_profiles_results(tmp_path):
+    # A later baselines trial measured another choice (an earlier run's): not this profile's.
+    other = [{**row, "number": 1, "tokens_per_second": 90.0, "tokens_per_second_low": 88.0,
+              "tokens_per_second_high": 92.0} for row in TRIALS if row["step"] == "baselines"]
+    profile = make_profile()
+    text = write_report(profile, TRIALS + other, tmp_path / "r.md", {}).read_text()
+    assert "| chosen (the tuned settings) | 141.2 [138.0, 144.5] |" in section(text, "Baselines")
+    # No trial matches the profile: the latest is shown.
+    profile["results"]["tokens_per_second"] = 150.0
+    text = write_report(profile, TRIALS + other, tmp_path / "r.md", {}).read_text()
+    assert "| chosen (the tuned settings) | 90.0 [88.0, 92.0] |" in section(text, "Baselines")
+
+
+def test_baselines_table_without_trial_rows_comes_from_the_results(tmp_path):
+    trials = [t for t in TRIALS if t["step"] != "baselines"]
+    text = write_report(make_profile(), trials, tmp_path / "report.md", {}).read_text()
+    table = section(text, "Baselines")
+    assert "| chosen (the tuned settings) | 141.2 [138.0, 144.5] | 1.41x [1.38, 1.46] |" in table
+    assert "| vanilla (no speculation) | 100.0 [98.0, 102.0] | 1.00x (reference) |" in table
+    assert "| streaming drafter (same budget) | 120.0 [117.5, 122.5] | n/a |" in table
+
+
+def not_recommended(speedup: float, interval: list[float], engine: str = "triton") -> dict:
     profile = make_profile(recommended=False)
-    profile["results"].update(tokens_per_second=90.0, speedup=0.9)
-    text = write_report(profile, TRIALS, tmp_path / "report.md", {}).read_text()
-    assert "no configuration beat vanilla decoding" in text
-    assert "**Recommended**" not in text
-    assert "(0.90x)" in text
+    vanilla = profile["results"]["vanilla_tokens_per_second"]
+    profile["results"].update(speedup=speedup, speedup_interval=interval,
+                              tokens_per_second=vanilla * speedup,
+                              tokens_per_second_interval=[vanilla * bound for bound in interval])
+    profile["provenance"]["engine_path"] = engine
+    return profile
+
+
+CPU_PATH_WORDS = ("masked full attention", "reads every K/V entry",
+                  "cannot show a speedup there by construction", "carries over to a GPU")
+
+
+def test_report_explains_a_slower_result(tmp_path):
+    profile = not_recommended(0.82, [0.79, 0.85])
+    summary = section("## x\n" + write_report(profile, TRIALS, tmp_path / "r.md", {})
+                      .read_text(), "x")
+    assert "**Not recommended: keep vanilla decoding**" in summary
+    assert "**Recommended**" not in summary
+    assert "Speculation is slower here" in summary
+    assert "0.82x [0.79, 0.85]" in summary and "95% interval lies below 1" in summary
+    assert not any(words in summary for words in CPU_PATH_WORDS)
+    assert "Best found: " in summary and "gamma=6" in summary
+
+
+def test_report_explains_a_result_within_noise(tmp_path):
+    profile = not_recommended(0.99, [0.95, 1.03])
+    text = write_report(profile, TRIALS, tmp_path / "r.md", {}).read_text()
+    assert "No measurable difference" in text and "within noise" in text
+    assert "0.99x [0.95, 1.03]" in text and "95% interval that contains 1" in text
+    assert "Speculation is slower" not in text
+
+
+@pytest.mark.parametrize("engine", ["pytorch-reference",
+                                    "pytorch-reference (decode, verify, drafts) + sdpa (prefill)"])
+def test_report_explains_why_the_cpu_path_shows_no_speedup(tmp_path, engine):
+    profile = not_recommended(0.97, [0.93, 1.01], engine=engine)
+    text = write_report(profile, TRIALS, tmp_path / "r.md", {}).read_text()
+    assert "No measurable difference" in text
+    for words in CPU_PATH_WORDS:
+        assert words in text
+    assert "mean accepted length 3.05" in text  # what the profile still records
+
+
+def test_within_noise_section_lists_what_the_tuner_could_not_tell_apart(tmp_path):
+    profile = make_profile()
+    text = write_report(profile, TRIALS, tmp_path / "r.md", {}).read_text()
+    assert "## Within noise" not in text  # nothing to list
+    profile["steps"][1]["within_noise"] = [
+        {"gamma": 7, "tokens_per_second": 142.0, "speedup": 1.42, "speedup_low": 1.36,
+         "speedup_high": 1.48},
+        {"gamma": 8, "speedup": 1.4, "speedup_low": 1.33, "speedup_high": 1.47}]
+    text = write_report(profile, TRIALS, tmp_path / "r.md", {}).read_text()
+    noise = section(text, "Within noise")
+    assert "could not tell them apart" in noise and "chose the cheapest" in noise
+    assert "95% interval overlaps the chosen one's" in noise
+    assert "| gamma | gamma=6 (chosen) | 1.41x [1.37, 1.45] | 141.2 |" in noise
+    assert "| gamma | gamma=7 | 1.42x [1.36, 1.48] | 142.0 |" in noise
+    assert "| gamma | gamma=8 | 1.40x [1.33, 1.47] | n/a |" in noise
 
 
 def test_report_of_a_rerun_says_what_changed_from_the_profile_it_replaced(tmp_path):
-    import copy
-
     old = make_profile(recommended=False)
     old["tuned"]["gamma"] = 2
     old["results"].update(tokens_per_second=30.5, vanilla_tokens_per_second=38.5,

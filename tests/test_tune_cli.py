@@ -4,6 +4,8 @@ subcommands, bad input, and the not-recommended and out-of-memory paths."""
 from __future__ import annotations
 
 import json
+import math
+import random
 import signal
 import subprocess
 import sys
@@ -67,15 +69,23 @@ def test_show_export_and_diff(tuned_profile, tmp_path, capsys):
     out, _, _ = tuned_profile
     code, stdout, _ = run(["show", str(out)], capsys)
     assert code == 0 and "tuned: vegas gamma" in stdout
-    code, stdout, _ = run(["export", str(out), "--target", "vllm"], capsys)
+    recommended = yaml.safe_load(out.read_text())["recommended"]
+    code, stdout, err = run(["export", str(out), "--target", "vllm"], capsys)
     serve = yaml.safe_load(stdout)
-    assert code == 0 and serve["speculative-config"]["sparse_attn_algorithm"] == "vegas"
-    code, stdout, _ = run(["export", str(out), "--target", "vegas", "--format", "json"], capsys)
+    # A profile that is not recommended exports vanilla serving, and says so.
+    assert code == 0 and ("speculative-config" in serve) == recommended
+    assert recommended or "not recommended" in err
+    code, stdout, _ = run(["export", str(out), "--target", "vllm", "--force"], capsys)
+    assert code == 0 and yaml.safe_load(stdout)["speculative-config"]["sparse_attn_algorithm"] == "vegas"
+    code, stdout, _ = run(["export", str(out), "--target", "vegas", "--format", "json", "--force"],
+                          capsys)
     assert code == 0 and json.loads(stdout)["drafter"] == "vegas"
     code, stdout, _ = run(["diff", str(out), str(out)], capsys)
     assert code == 0
     worse = yaml.safe_load(out.read_text())
     worse["results"]["tokens_per_second"] *= 0.5
+    worse["results"]["tokens_per_second_interval"] = [
+        x * 0.5 for x in worse["results"]["tokens_per_second_interval"]]
     worse_path = tmp_path / "worse.yaml"
     worse_path.write_text(yaml.safe_dump(worse, sort_keys=False))
     code, stdout, _ = run(["diff", str(out), str(worse_path), "--tolerance", "0.1"], capsys)
@@ -146,22 +156,40 @@ def test_ctrl_c_exits_130_and_keeps_trials(tmp_path):
     assert len(completed_trials(storage, "int:sparsity")) >= 1
 
 
-def fake_measurement(tokens_per_second: float, accepted: float = 2.0) -> Measurement:
+def fake_measurement(tokens_per_second: float, accepted: float = 2.0,
+                     gamma: int = 4) -> Measurement:
     return Measurement(tokens_per_second=tokens_per_second,
                        completion_tokens_per_second=0.9 * tokens_per_second, decode_seconds=1.0,
                        decode_tokens=int(tokens_per_second), steady_seconds=0.8,
                        steady_tokens=int(0.8 * tokens_per_second), iterations=10,
                        steady_iterations=8, prefill_seconds=0.1, wall_seconds=1.2,
                        mean_accepted_length=accepted,
-                       acceptance_by_position=[0.5, 0.3, 0.1, 0.1],
+                       acceptance_by_position=[0.5, 0.3, 0.1, 0.1, 0.0, 0.0, 0.0, 0.0][:gamma],
                        selection_overhead=0.01, draft_step_seconds=0.01,
                        verify_step_seconds=0.02, selection_step_seconds=0.001,
                        decode_step_seconds=0.01)
 
 
+def noisy_measure(speedup_of, noise: float = 0.03, seed: int = 0):
+    """A fake ``Measurer.measure``: vanilla at 100 tokens/s, a configuration at
+    ``speedup_of(spec)`` times that, each call scaled by seeded log-normal noise; the
+    calls are recorded as ``measure.calls``."""
+    rng = random.Random(seed)
+
+    def measure(self, spec, report=None):
+        measure.calls.append(spec)
+        factor = math.exp(rng.gauss(0.0, noise))
+        if spec is None:
+            return fake_measurement(100.0 * factor, 1.0, 0)
+        return fake_measurement(100.0 * speedup_of(spec) * factor, 2.0, spec.gamma)
+
+    measure.calls = []
+    return measure
+
+
 def test_nothing_beats_vanilla_exits_3_with_recommended_false(tmp_path, monkeypatch, capsys):
     def measure(self, spec, report=None):
-        return fake_measurement(50.0 if spec is not None else 100.0)
+        return fake_measurement(50.0 if spec is not None else 100.0, gamma=spec.gamma if spec else 0)
 
     monkeypatch.setattr("vegas_tune.measure.Measurer.measure", measure)
     out = tmp_path / "p.yaml"
@@ -175,7 +203,7 @@ def test_nothing_beats_vanilla_exits_3_with_recommended_false(tmp_path, monkeypa
     # Re-tuned into the same file (a fresh study): the report compares with the profile
     # it replaced, here a faster speculative configuration and the recommendation.
     def faster(self, spec, report=None):
-        return fake_measurement(150.0 if spec is not None else 100.0)
+        return fake_measurement(150.0 if spec is not None else 100.0, gamma=spec.gamma if spec else 0)
 
     monkeypatch.setattr("vegas_tune.measure.Measurer.measure", faster)
     code, _, _ = run([*FAST, "--out", str(out), "--storage", str(tmp_path / "again.journal")],
@@ -190,7 +218,7 @@ def test_out_of_memory_trial_is_recorded_and_tuning_goes_on(tmp_path, monkeypatc
     def measure(self, spec, report=None):
         if spec is not None and spec.sparsity == 0.2 and spec.gamma == 4:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB")
-        return fake_measurement(120.0 if spec is not None else 100.0)
+        return fake_measurement(120.0 if spec is not None else 100.0, gamma=spec.gamma if spec else 0)
 
     monkeypatch.setattr("vegas_tune.measure.Measurer.measure", measure)
     out = tmp_path / "p.yaml"
@@ -238,3 +266,81 @@ def test_settings_precedence(tmp_path, monkeypatch):
 
     with pytest.raises(VegasError, match="unknown option 'ctxx'"):
         cli.resolve_settings({}, config)
+
+
+def test_measurements_repeat_interleaved_with_vanilla_and_noise_is_not_recommended(
+        tmp_path, monkeypatch, capsys):
+    # 2% faster than vanilla inside 10% noise: the interval holds 1, so no recommendation.
+    measure = noisy_measure(lambda spec: 1.02, noise=0.10)
+    monkeypatch.setattr("vegas_tune.measure.Measurer.measure", measure)
+    out = tmp_path / "p.yaml"
+    code, _, err = run([*FAST, "--out", str(out), "--max-rounds", "6"], capsys)
+    assert code == 3, err
+    r = yaml.safe_load(out.read_text())["results"]
+    low, high = r["speedup_interval"]
+    assert low < 1 < high and r["rounds"] == 6 and r["confidence"] == 0.95
+    for name in ("tokens_per_second", "vanilla_tokens_per_second", "streaming_tokens_per_second",
+                 "speedup_over_streaming"):
+        assert r[f"{name}_interval"][0] <= r[name] <= r[f"{name}_interval"][1]
+    # The last measurements are the baselines: vanilla, tuned and streaming in rotating order.
+    kinds = ["vanilla" if s is None else s.drafter for s in measure.calls[-18:]]
+    assert kinds[:6] == ["vanilla", "vegas", "streaming", "vegas", "streaming", "vanilla"]
+
+
+def test_configurations_within_noise_go_to_the_cheapest(tmp_path, monkeypatch, capsys):
+    # Every gamma above 1 is equally fast: the smallest of them is chosen, the others are
+    # reported as within noise; gamma 1 is measured slower and stops early.
+    measure = noisy_measure(lambda spec: 1.0 if spec.gamma == 1 else 1.5)
+    monkeypatch.setattr("vegas_tune.measure.Measurer.measure", measure)
+    out = tmp_path / "p.yaml"
+    code, _, err = run([*FAST, "--out", str(out), "--gamma-candidates", "4"], capsys)
+    assert code == 0, err
+    profile = yaml.safe_load(out.read_text())
+    gamma_step = profile["steps"][1]
+    assert profile["tuned"]["gamma"] == gamma_step["chosen"]["gamma"] == 2
+    assert sorted(row["gamma"] for row in gamma_step["within_noise"]) == [3, 4]
+    chosen = gamma_step["chosen"]
+    assert chosen["speedup_low"] < chosen["speedup"] < chosen["speedup_high"]
+    assert chosen["speedup"] == pytest.approx(1.5, rel=0.05)
+    measured = {p["gamma"]: p for p in gamma_step["predictions"]}
+    assert measured[1]["measured_speedup_interval"][1] < 1.5
+
+
+def test_resume_refuses_another_workload_and_new_study_replaces_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr("vegas_tune.measure.Measurer.measure", noisy_measure(lambda s: 1.3))
+    out, storage = tmp_path / "p.yaml", str(tmp_path / "s.journal")
+    base = [*FAST, "--out", str(out), "--storage", storage]
+    code, _, err = run(base, capsys)
+    assert code == 0, err
+    code, _, err = run([*base, "--max-new-tokens", "16", "--dataset", "code", "--resume"], capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert "max_new_tokens: 12 then, 16 now" in err and "dataset: 'mixed' then, 'code' now" in err
+    assert yaml.safe_load(out.read_text())["workload"]["max_new_tokens"] == 12  # untouched
+    code, _, err = run([*base, "--max-new-tokens", "16", "--new-study"], capsys)
+    assert code == 0, err
+    assert yaml.safe_load(out.read_text())["workload"]["max_new_tokens"] == 16
+    code, _, err = run([*base, "--max-new-tokens", "16", "--resume"], capsys)
+    assert code == 0, err  # same workload: resumes (nothing left to measure)
+
+
+def test_a_run_that_failed_on_its_first_trial_needs_no_resume(tmp_path, monkeypatch, capsys):
+    def broken(self, spec, report=None):
+        raise RuntimeError("a bug in the first trial")
+
+    monkeypatch.setattr("vegas_tune.measure.Measurer.measure", broken)
+    base = [*FAST, "--out", str(tmp_path / "p.yaml"), "--storage", str(tmp_path / "s.journal")]
+    code, _, err = run(base, capsys)
+    assert code == 1 and "a bug in the first trial" in err
+    monkeypatch.setattr("vegas_tune.measure.Measurer.measure", noisy_measure(lambda s: 1.3))
+    code, _, err = run(base, capsys)
+    assert code == 0, err
+
+
+def test_too_short_a_workload_is_refused_before_any_work(tmp_path, monkeypatch, capsys):
+    def never(self, spec, report=None):
+        raise AssertionError("measured a workload that should have been refused")
+
+    monkeypatch.setattr("vegas_tune.measure.Measurer.measure", never)
+    code, _, err = run([*FAST, "--out", str(tmp_path / "p.yaml"), "--max-new-tokens", "3"],
+                       capsys)
+    assert code == 2 and "--max-new-tokens 3 is too few" in err and err.count("\n") == 1

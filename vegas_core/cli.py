@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import sys
 import traceback
 from pathlib import Path
@@ -9,9 +10,11 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 
 from vegas_core.errors import VegasError
+from vegas_core.spec_config import MAX_GAMMA
 
 app = typer.Typer(
     add_completion=False,
@@ -22,11 +25,22 @@ app = typer.Typer(
 stderr = Console(stderr=True, soft_wrap=True)
 
 EXIT_INTERRUPTED = 130
+EXIT_BAD_INPUT = 2
+# generate's options that only mean something when decoding speculatively (--drafter).
+SPECULATIVE_OPTIONS = ("gamma", "sparsity", "min_tokens", "collect", "score", "granularity")
+# A prompt file saved with a byte-order mark (common on Windows) still reads as UTF-8.
+PROMPT_ENCODING = "utf-8-sig"
 
 
 def _is(exc: BaseException, class_name: str) -> bool:
     # Newer typer vendors its own click copy, so match click's exceptions by class name.
     return any(c.__name__ == class_name for c in type(exc).__mro__)
+
+
+def one_line(text: str) -> str:
+    """``text`` on one line: libraries' messages can span several (SQLAlchemy appends a
+    "Background on this error" line), and the error contract is one line."""
+    return " ".join(line.strip() for line in str(text).splitlines() if line.strip())
 
 
 def run_app(app: typer.Typer, argv: list[str] | None = None, prog_name: str | None = None) -> int:
@@ -46,7 +60,7 @@ def run_app(app: typer.Typer, argv: list[str] | None = None, prog_name: str | No
     except VegasError as e:
         if debug:
             traceback.print_exc()
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {one_line(e)}", file=sys.stderr)
         return e.exit_code
     except Exception as e:
         if _is(e, "Exit"):
@@ -56,18 +70,40 @@ def run_app(app: typer.Typer, argv: list[str] | None = None, prog_name: str | No
             return EXIT_INTERRUPTED
         if _is(e, "NoArgsIsHelpError"):
             print(e.format_message(), file=sys.stderr)
-            return 2
+            return EXIT_BAD_INPUT
         if _is(e, "UsageError"):
             ctx = getattr(e, "ctx", None)
             hint = f" (see {ctx.command_path} --help)" if ctx else ""
-            print(f"error: {e.format_message()}{hint}", file=sys.stderr)
-            return 2
+            print(f"error: {one_line(e.format_message())}{hint}", file=sys.stderr)
+            return EXIT_BAD_INPUT
         # Anything else is a bug, not bad input.
         if debug:
             traceback.print_exc()
-        print(f"internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback)",
+        print(f"internal error: {type(e).__name__}: {one_line(e)} (rerun with --debug for the "
+              "traceback)",
               file=sys.stderr)
         return 1
+
+
+def show_defaults(defaults: dict[str, str], option_names: dict[str, str] | None = None):
+    """Decorator: append ``[default: X]`` to the help of each option named in
+    ``defaults``, so help texts are never edited by hand and cannot drift from the
+    defaults. ``option_names`` maps a parameter to its key in ``defaults`` where they
+    differ (``json_out`` -> ``json``).
+
+    For options declared ``Optional[...] = None`` (the real default is resolved at run
+    time, after the environment and the config file), typer shows no default at all."""
+    option_names = option_names or {}
+
+    def decorate(command):
+        for param in inspect.signature(command).parameters.values():
+            info, name = param.default, option_names.get(param.name, param.name)
+            if isinstance(info, typer.models.OptionInfo) and name in defaults:
+                # Escaped: typer renders help as rich markup, where "[default: 4k]" vanishes.
+                info.help = f"{info.help or ''} {escape(f'[default: {defaults[name]}]')}".strip()
+        return command
+
+    return decorate
 
 
 @app.callback()
@@ -84,21 +120,23 @@ def _progress() -> Progress:
 
 
 @app.command()
+@show_defaults({"prompt": "none", "prompt_file": "none", "drafter": "none: vanilla decoding"})
 def generate(
+    ctx: typer.Context,
     model: str = typer.Option("smollm2-135m", help="Embedded name, .gguf file, HF directory or hub id, or dummy:<preset>."),
     prompt: Optional[str] = typer.Option(None, help="The prompt text."),
     prompt_file: Optional[Path] = typer.Option(None, help="Read the prompt from this file."),
-    max_new_tokens: int = typer.Option(128, help="Most tokens to generate."),
-    temperature: float = typer.Option(0.0, help="0 = greedy."),
-    top_p: float = typer.Option(1.0, help="Nucleus sampling mass (1 disables)."),
-    top_k: int = typer.Option(0, help="Keep the k most likely tokens (0 disables)."),
+    max_new_tokens: int = typer.Option(128, min=1, help="Most tokens to generate."),
+    temperature: float = typer.Option(0.0, min=0.0, help="0 = greedy."),
+    top_p: float = typer.Option(1.0, min=0.0, max=1.0, help="Nucleus sampling mass (1 disables)."),
+    top_k: int = typer.Option(0, min=0, help="Keep the k most likely tokens (0 disables)."),
     seed: int = typer.Option(0, help="Seed of the sampling generator."),
     chat: bool = typer.Option(False, help="Wrap the prompt in the model's chat template."),
     ignore_eos: bool = typer.Option(False, help="Keep generating past EOS (for timing)."),
-    drafter: Optional[str] = typer.Option(None, help="Decode speculatively with this drafter: vegas, streaming, quest, snapkv, specextend, oracle, dense. Omit for vanilla decoding."),
-    gamma: int = typer.Option(6, help="Draft tokens per iteration."),
-    sparsity: float = typer.Option(0.05, help="Draft budget as a share of the prefix."),
-    min_tokens: int = typer.Option(256, help="Smallest draft budget in tokens."),
+    drafter: Optional[str] = typer.Option(None, help="Decode speculatively with this drafter: vegas, streaming, quest, snapkv, specextend, oracle, dense."),
+    gamma: int = typer.Option(6, min=1, max=MAX_GAMMA, help="Draft tokens per iteration (with --drafter)."),
+    sparsity: float = typer.Option(0.05, min=0.0, max=1.0, help="Draft budget as a share of the prefix (with --drafter)."),
+    min_tokens: int = typer.Option(256, min=1, help="Smallest draft budget in tokens (with --drafter)."),
     collect: str = typer.Option("two", help="vegas: verify rows that select (two, all, last)."),
     score: str = typer.Option("logit", help="vegas: logit or weight."),
     granularity: str = typer.Option("layer", help="vegas: layer or kv_head."),
@@ -112,10 +150,15 @@ def generate(
 
     if (prompt is None) == (prompt_file is None):
         raise VegasError("give exactly one of --prompt or --prompt-file")
+    if drafter is None:
+        # Silently ignoring e.g. --sparsity would time vanilla decoding as if it were tuned.
+        for name in SPECULATIVE_OPTIONS:
+            if ctx.get_parameter_source(name).name != "DEFAULT":
+                flag = "--" + name.replace("_", "-")
+                raise VegasError(f"{flag} applies only to speculative decoding; add --drafter "
+                                 f"(e.g. --drafter vegas) or drop {flag}")
     if prompt_file is not None:
-        if not prompt_file.is_file():
-            raise VegasError(f"prompt file not found: {prompt_file}")
-        prompt = prompt_file.read_text(encoding="utf-8", errors="replace")
+        prompt = read_prompt_file(prompt_file)
     spec = None
     if drafter is not None:
         spec = SpecConfig(drafter=drafter, gamma=gamma, sparsity=sparsity, min_tokens=min_tokens,
@@ -152,6 +195,21 @@ def generate(
             f"{s.draft_seconds:.2f} s, verify {s.verify_seconds:.2f} s, selection "
             f"{s.selection_seconds:.3f} s ({100 * s.selection_overhead:.1f}% of decode)"
         )
+
+
+def read_prompt_file(path: Path) -> str:
+    """The file's text, decoded strictly: a prompt altered by replacement characters
+    would be measured and answered as something the user did not write."""
+    if not path.is_file():
+        what = "is a directory" if path.is_dir() else "prompt file not found"
+        raise VegasError(f"--prompt-file {path}: {what}; pass a text file")
+    try:
+        return path.read_bytes().decode(PROMPT_ENCODING)
+    except UnicodeDecodeError as e:
+        raise VegasError(f"--prompt-file {path} is not UTF-8 text (byte 0x{e.object[e.start]:02x} "
+                         f"at offset {e.start}); convert it to UTF-8") from None
+    except OSError as e:
+        raise VegasError(f"--prompt-file {path}: cannot read it ({e.strerror or e})") from None
 
 
 def main() -> None:

@@ -12,6 +12,9 @@ SCORES = ("logit", "weight")
 GRANULARITIES = ("layer", "kv_head")
 # At least a quarter of a vegas budget stays verification-guided.
 MAX_WINDOW = 0.75
+# Most draft tokens per iteration the engine accepts (the verify pass has gamma + 1 rows);
+# profiles are checked against it too.
+MAX_GAMMA = 64
 
 
 @dataclass(frozen=True)
@@ -50,8 +53,8 @@ class SpecConfig:
             value = getattr(self, name)
             if value not in allowed:
                 raise VegasError(f"unknown {name} '{value}'; choose one of: {', '.join(allowed)}")
-        if not 1 <= self.gamma <= 64:
-            raise VegasError(f"gamma must be between 1 and 64, got {self.gamma}")
+        if not 1 <= self.gamma <= MAX_GAMMA:
+            raise VegasError(f"gamma must be between 1 and {MAX_GAMMA}, got {self.gamma}")
         if not 0.0 < self.sparsity <= 1.0:
             raise VegasError(f"sparsity must be in (0, 1], got {self.sparsity}")
         if not 0.0 <= self.window <= MAX_WINDOW:

@@ -13,19 +13,21 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shlex
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
 import typer
-import yaml
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from vegas_core.cli import run_app
+from vegas_core.cli import run_app, show_defaults
 from vegas_core.errors import VegasError
+from vegas_tune.preflight import check_device, check_tune, check_values, flag
+from vegas_tune.progress import ProgressReporter
 from vegas_tune.tuner import TuneOptions, parse_ctx, sparsity_grid
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
@@ -38,6 +40,10 @@ log = logging.getLogger("vegas_tune")
 MIN_PROMPTS = 4
 SUBCOMMANDS = ("tune", "bench", "validate", "show", "diff", "export", "doctor")
 ENV_PREFIX = "VEGAS_TUNE_"
+# SpecConfig fields whose errors start with the field's name (``--gamma`` on the CLI).
+SPEC_FIELDS = ("gamma", "sparsity", "window", "min_tokens")
+# The tuner's own defaults, so the CLI's cannot drift from them.
+OPTION_DEFAULTS = TuneOptions()
 
 # name -> (default, parser). Booleans are parsed from "1/true/yes".
 TUNE_DEFAULTS: dict[str, tuple[Any, Any]] = {
@@ -63,12 +69,42 @@ TUNE_DEFAULTS: dict[str, tuple[Any, Any]] = {
     "min_tokens": (256, int),
     "gamma_candidates": (3, int),
     "refine_trials": (8, int),
+    "max_rounds": (OPTION_DEFAULTS.max_rounds, int),
+    "precision": (OPTION_DEFAULTS.precision, float),
+    "new_study": (False, "bool"),
     "json": (False, "bool"),
     "log_level": ("INFO", str),
 }
 
 
-def _parse_bool(name: str, value: Any) -> bool:
+# What --help shows for the settings whose default is None (worked out at run time).
+DEFAULT_DESCRIPTIONS = {
+    "out": "profiles/<model>/<gpu>-<ctx>.yaml",
+    "storage": "<profile>.optuna.journal beside the profile",
+    "study_name": "<model>-<gpu>-<ctx>",
+    "time_budget": "no limit",
+    "num_prompts": f"the batch size, at least {MIN_PROMPTS}",
+}
+
+
+def default_text(name: str) -> str:
+    """A tune setting's default as ``--help`` shows it."""
+    default = TUNE_DEFAULTS[name][0]
+    if default is None:
+        return DEFAULT_DESCRIPTIONS[name]
+    return str(default).lower() if isinstance(default, bool) else str(default)
+
+
+class Settings(dict):
+    """Resolved tune settings by name; ``labels[name]`` is how to name each one's source
+    in an error: ``--ctx`` (flag or default), ``VEGAS_TUNE_CTX``, ``tune.yaml: ctx``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.labels: dict[str, str] = {}
+
+
+def _parse_bool(value: Any) -> bool:
     if isinstance(value, bool):
         return value
     text = str(value).strip().lower()
@@ -76,51 +112,103 @@ def _parse_bool(name: str, value: Any) -> bool:
         return True
     if text in ("0", "false", "no", "off", ""):
         return False
-    raise VegasError(f"{name}: '{value}' is not a boolean; use true or false")
+    raise ValueError("is not a boolean; use true or false")
 
 
-def resolve_settings(flags: dict[str, Any], config_file: Path | None) -> dict[str, Any]:
-    """flag > VEGAS_TUNE_* environment > config file > default, each parsed and checked."""
+def _parse_int(value: Any) -> int:
+    # YAML gives bools and floats as such: `batch_size: true` or `2.5` is a mistake.
+    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+        raise ValueError("is not a whole number")
+    try:
+        return int(value) if isinstance(value, (int, float)) else int(str(value).strip())
+    except ValueError:
+        raise ValueError("is not a whole number") from None
+
+
+def _parse_float(value: Any) -> float:
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError("is not a number") from None
+    if not math.isfinite(number):
+        raise ValueError("is not a finite number")
+    return number
+
+
+def _parse_setting(name: str, parse: Any, value: Any, label: str) -> Any:
+    """``value`` parsed for setting ``name``; an error names ``label``, where it came from."""
+    try:
+        if parse == "bool":
+            return _parse_bool(value)
+        if parse is int:
+            return _parse_int(value)
+        if parse is float:
+            return _parse_float(value)
+        if parse is sparsity_grid and isinstance(value, (list, tuple)):
+            value = ",".join(map(str, value))  # a YAML list of ratios
+        return parse(value if parse is not Path else str(value))
+    except VegasError as e:
+        # The parsers name the flag; a value from elsewhere names its own source.
+        message, own = str(e), flag(name)
+        if label != own and message.startswith(own):
+            message = label + message[len(own):]
+        elif label not in message:
+            message = f"{label}: {message}"
+        raise VegasError(message) from None
+    except (TypeError, ValueError) as e:
+        raise VegasError(f"{label} '{value}' {e}") from None
+
+
+def _read_config(config_file: Path) -> dict[str, Any]:
+    if not config_file.is_file():
+        raise VegasError(f"--config {config_file}: file not found")
+    try:
+        text = config_file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise VegasError(f"--config {config_file}: cannot read it as UTF-8 text ({e})") from None
+    from vegas_tune.profile import read_yaml
+
+    # read_yaml refuses anchors and aliases (a "billion laughs" file) and huge texts.
+    loaded = read_yaml(text, str(config_file)) or {}
+    if not isinstance(loaded, dict):
+        raise VegasError(f"{config_file}: expected a mapping of option: value")
+    return loaded
+
+
+def resolve_settings(flags: dict[str, Any], config_file: Path | None) -> Settings:
+    """flag > VEGAS_TUNE_* environment > config file > default, each parsed. The result's
+    ``labels`` say where each value came from, for error messages."""
     config: dict[str, Any] = {}
+    config_keys: dict[str, str] = {}
     if config_file is not None:
-        if not config_file.is_file():
-            raise VegasError(f"config file not found: {config_file}")
-        try:
-            loaded = yaml.safe_load(config_file.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise VegasError(f"{config_file}: not valid YAML ({str(e).splitlines()[0]})") from e
-        if not isinstance(loaded, dict):
-            raise VegasError(f"{config_file}: expected a mapping of option: value")
-        for key, value in loaded.items():
+        for key, value in _read_config(config_file).items():
             name = str(key).replace("-", "_")
             if name not in TUNE_DEFAULTS:
                 raise VegasError(f"{config_file}: unknown option '{key}'; options: "
                                  f"{', '.join(k.replace('_', '-') for k in TUNE_DEFAULTS)}")
             config[name] = value
-    settings = {}
+            config_keys[name] = str(key)
+    settings = Settings()
     for name, (default, parse) in TUNE_DEFAULTS.items():
-        env = os.environ.get(ENV_PREFIX + name.upper())
-        for source, value in (("flag", flags.get(name)), ("env", env), ("config", config.get(name))):
-            if value is not None:
-                break
-        else:
-            source, value = "default", default
-        if value is None:
-            settings[name] = None
-            continue
-        try:
-            settings[name] = _parse_bool(name, value) if parse == "bool" else parse(value)
-        except VegasError:
-            raise
-        except (TypeError, ValueError) as e:
-            raise VegasError(f"--{name.replace('_', '-')} '{value}' (from {source}) is invalid: {e}") from e
+        env_name = ENV_PREFIX + name.upper()
+        labels = {"flag": flag(name), "env": env_name, "default": flag(name),
+                  "config": f"{config_file}: {config_keys.get(name, name)}"}
+        candidates = (("flag", flags.get(name)), ("env", os.environ.get(env_name)),
+                      ("config", config.get(name)))
+        source, value = next(((k, v) for k, v in candidates if v is not None),
+                             ("default", default))
+        settings.labels[name] = labels[source]
+        settings[name] = None if value is None else _parse_setting(name, parse, value,
+                                                                   labels[source])
     return settings
 
 
 def _setup_logging(level: str, debug: bool) -> None:
+    """Log lines as ``vegas-tune: ...`` on stderr (``level`` is checked by
+    ``check_values``)."""
     numeric = logging.getLevelName("DEBUG" if debug else level.upper())
-    if not isinstance(numeric, int):
-        raise VegasError(f"--log-level '{level}': use DEBUG, INFO, WARNING or ERROR")
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("vegas-tune: %(message)s"))
     log.handlers[:] = [handler]
@@ -134,32 +222,37 @@ def _root() -> None:
 
 
 @app.command()
+@show_defaults({**{name: default_text(name) for name in TUNE_DEFAULTS}, "config": "none"},
+               {"json_out": "json"})
 def tune(
-    model: Optional[str] = typer.Option(None, help="Embedded name, .gguf, HF folder or hub id, dummy:<preset>. [default: smollm2-135m]"),
-    ctx: Optional[str] = typer.Option(None, help="Prompt length: 2048, 8k, 64k, 128K. [default: 4k]"),
-    dataset: Optional[str] = typer.Option(None, help="mixed, code, prose, retrieval, a .jsonl/.csv/.parquet file with a text or prompt column, or a HF dataset id. [default: mixed]"),
-    out: Optional[Path] = typer.Option(None, help="Profile path. [default: profiles/<model>/<gpu>-<ctx>.yaml]"),
+    model: Optional[str] = typer.Option(None, help="Embedded name, .gguf, HF folder or hub id, dummy:<preset>."),
+    ctx: Optional[str] = typer.Option(None, help="Prompt length: 2048, 8k, 64k, 128K."),
+    dataset: Optional[str] = typer.Option(None, help="mixed, code, prose, retrieval, a .jsonl/.csv/.parquet file with a text or prompt column, or a HF dataset id."),
+    out: Optional[Path] = typer.Option(None, help="Profile path."),
     device: Optional[str] = typer.Option(None, help="cpu, cuda, cuda:N, auto."),
     dtype: Optional[str] = typer.Option(None, help="float32, bfloat16, float16, auto."),
-    storage: Optional[str] = typer.Option(None, help="Optuna storage: a .journal file or an RDB URL (sqlite:///x.db, postgresql://...). [default: beside the profile]"),
-    study_name: Optional[str] = typer.Option(None, help="Study name prefix. [default: <model>-<gpu>-<ctx>]"),
+    storage: Optional[str] = typer.Option(None, help="Optuna storage: a .journal file or an RDB URL (sqlite:///x.db, postgresql://...)."),
+    study_name: Optional[str] = typer.Option(None, help="Study name prefix."),
     resume: Optional[bool] = typer.Option(None, "--resume", help="Continue the study in the storage."),
+    new_study: Optional[bool] = typer.Option(None, "--new-study", help="Discard the study of this name in the storage and start over."),
     time_budget: Optional[float] = typer.Option(None, help="Seconds for the whole run."),
     seed: Optional[int] = typer.Option(None, help="Seed for samplers and sampling."),
-    batch_size: Optional[int] = typer.Option(None, help="Sequences decoded together. [default: 1]"),
-    max_new_tokens: Optional[int] = typer.Option(None, help="Tokens generated per prompt. [default: 64]"),
-    temperature: Optional[float] = typer.Option(None, help="0 = greedy. [default: 0]"),
-    num_prompts: Optional[int] = typer.Option(None, help="Prompts per trial; a last batch they do not fill is filled by wrapping around. [default: the batch size, at least 4]"),
-    probe_gamma: Optional[int] = typer.Option(None, help="Gamma of step 1. [default: 8]"),
-    gamma_max: Optional[int] = typer.Option(None, help="Largest gamma of step 2. [default: 8]"),
+    batch_size: Optional[int] = typer.Option(None, help="Sequences decoded together."),
+    max_new_tokens: Optional[int] = typer.Option(None, help="Tokens generated per prompt."),
+    temperature: Optional[float] = typer.Option(None, help="0 = greedy."),
+    num_prompts: Optional[int] = typer.Option(None, help="Prompts per trial; a last batch they do not fill is filled by wrapping around."),
+    probe_gamma: Optional[int] = typer.Option(None, help="Gamma of step 1."),
+    gamma_max: Optional[int] = typer.Option(None, help="Largest gamma of step 2."),
     sparsity_grid: Optional[str] = typer.Option(None, help="Step 1 ratios, comma-separated."),
-    tolerance: Optional[float] = typer.Option(None, help="Step 1: within this share of the plateau. [default: 0.03]"),
-    min_tokens: Optional[int] = typer.Option(None, help="Smallest draft budget. [default: 256]"),
-    gamma_candidates: Optional[int] = typer.Option(None, help="Step 2: best predicted gammas measured. [default: 3]"),
-    refine_trials: Optional[int] = typer.Option(None, help="Step 3 trials. [default: 8]"),
+    tolerance: Optional[float] = typer.Option(None, help="Step 1: within this share of the plateau, in [0, 1)."),
+    min_tokens: Optional[int] = typer.Option(None, help="Smallest draft budget."),
+    gamma_candidates: Optional[int] = typer.Option(None, help="Step 2: best predicted gammas measured."),
+    refine_trials: Optional[int] = typer.Option(None, help="Step 3 trials."),
+    max_rounds: Optional[int] = typer.Option(None, help="Measurement rounds per configuration, at most."),
+    precision: Optional[float] = typer.Option(None, help="Stop measuring when the confidence interval is within this share of the mean."),
     json_out: Optional[bool] = typer.Option(None, "--json", help="Print one JSON summary to stdout."),
     log_level: Optional[str] = typer.Option(None, help="DEBUG, INFO, WARNING, ERROR."),
-    config: Optional[Path] = typer.Option(None, help="YAML file of option: value."),
+    config: Optional[Path] = typer.Option(None, help="YAML file of option: value (flags and VEGAS_TUNE_<NAME> variables override it)."),
     debug: bool = typer.Option(False, help="Tracebacks and debug logs."),
 ) -> int:
     """Run the three-step tuner and write a profile, its trials, plots and report."""
@@ -168,30 +261,30 @@ def tune(
     flags = {k: v for k, v in locals().items() if k not in ("config", "debug", "json_out")}
     flags["json"] = json_out
     s = resolve_settings(flags, config)
+    # Every check that needs no model runs here, before the minutes of loading and
+    # tuning: a bad value must not surface after step 1 has run.
+    check_values(s, s.labels)
+    if s["num_prompts"] is None:
+        s["num_prompts"] = max(MIN_PROMPTS, s["batch_size"])
     _setup_logging(s["log_level"], debug)
     options = TuneOptions(probe_gamma=s["probe_gamma"], gamma_max=s["gamma_max"],
                           sparsity_grid=s["sparsity_grid"], tolerance=s["tolerance"],
                           min_tokens=s["min_tokens"], gamma_candidates=s["gamma_candidates"],
                           refine_trials=s["refine_trials"], seed=s["seed"],
-                          time_budget=s["time_budget"])
-    if s["num_prompts"] is None:
-        s["num_prompts"] = max(MIN_PROMPTS, s["batch_size"])
-    _check_positive(s, "batch_size", "max_new_tokens", "num_prompts", "probe_gamma",
-                    "gamma_max", "min_tokens", "gamma_candidates", "refine_trials")
+                          time_budget=s["time_budget"], max_rounds=s["max_rounds"],
+                          precision=s["precision"])
     settings = TuneSettings(
         model=s["model"], ctx=s["ctx"], dataset=s["dataset"], out=s["out"], device=s["device"],
         dtype=s["dtype"], storage=s["storage"], study_name=s["study_name"], resume=s["resume"],
         seed=s["seed"], batch_size=s["batch_size"], max_new_tokens=s["max_new_tokens"],
         temperature=s["temperature"], num_prompts=s["num_prompts"], options=options,
-        command="vegas-tune " + " ".join(shlex.quote(a) for a in sys.argv[1:]))
-    with _progress() as bar:
-        tasks: dict[str, int] = {}
-
-        def progress(step: str, done: int, total: int) -> None:
-            if step not in tasks:
-                tasks[step] = bar.add_task(f"step {step}", total=total)
-            bar.update(tasks[step], completed=done, total=total)
-
+        command="vegas-tune " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+        new_study=s["new_study"])
+    check_tune(settings, s.labels)
+    with warnings.catch_warnings(), ProgressReporter(stderr) as progress:
+        # optuna warns on stderr that RDB heartbeats are experimental: noise in a CLI
+        # whose stderr carries progress lines and one-line errors.
+        warnings.filterwarnings("ignore", message=".*heartbeat_interval.*")
         try:
             summary, code = run_tune(settings, progress)
         except KeyboardInterrupt:
@@ -202,17 +295,6 @@ def tune(
     else:
         _print_summary(summary)
     return code
-
-
-def _check_positive(settings: dict, *names: str) -> None:
-    for name in names:
-        if settings[name] < 1:
-            raise VegasError(f"--{name.replace('_', '-')} must be >= 1, got {settings[name]}")
-
-
-def _progress() -> Progress:
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TextColumn("trials"), TimeElapsedColumn(), console=stderr, transient=True)
 
 
 def _print_summary(summary: dict) -> None:
@@ -229,6 +311,7 @@ def _print_summary(summary: dict) -> None:
 
 
 @app.command()
+@show_defaults({"num_prompts": "the batch size", "json_out": "false"})
 def bench(
     model: str = typer.Option("smollm2-135m", help="Model spec."),
     ctx: str = typer.Option("4k", help="Prompt length."),
@@ -239,7 +322,7 @@ def bench(
     score: str = typer.Option("logit"), granularity: str = typer.Option("layer"),
     window: float = typer.Option(0.0),
     batch_size: int = typer.Option(1), max_new_tokens: int = typer.Option(64),
-    num_prompts: Optional[int] = typer.Option(None, help="[default: the batch size]"),
+    num_prompts: Optional[int] = typer.Option(None, help="Prompts measured."),
     temperature: float = typer.Option(0.0),
     seed: int = typer.Option(0), device: str = typer.Option("auto"),
     dtype: str = typer.Option("auto"),
@@ -248,17 +331,31 @@ def bench(
 ) -> None:
     """Measure one configuration against vanilla decoding on one workload."""
     from vegas_core import SpecConfig, load_model
-    from vegas_tune.datasets import load_prompts
+    from vegas_tune.datasets import check_dataset, load_prompts
     from vegas_tune.measure import Measurer, Workload
+    from vegas_tune.preflight import check_model_size
 
-    _check_positive(dict(batch_size=batch_size, max_new_tokens=max_new_tokens,
-                         num_prompts=num_prompts or batch_size),
-                    "batch_size", "max_new_tokens", "num_prompts")
-    spec = SpecConfig(drafter=drafter, gamma=gamma, sparsity=sparsity, min_tokens=min_tokens,
-                      collect=collect, score=score, granularity=granularity, window=window)
-    loaded = load_model(model, device=device, dtype=dtype)
-    prompts = load_prompts(loaded.tokenizer, dataset, parse_ctx(ctx), num_prompts or batch_size,
-                           seed)
+    # Everything checked before the model loads (the same checks as tune's).
+    check_values(dict(batch_size=batch_size, max_new_tokens=max_new_tokens,
+                      num_prompts=num_prompts, temperature=temperature, seed=seed))
+    tokens = parse_ctx(ctx)
+    try:
+        spec = SpecConfig(drafter=drafter, gamma=gamma, sparsity=sparsity,
+                          min_tokens=min_tokens, collect=collect, score=score,
+                          granularity=granularity, window=window)
+    except VegasError as e:
+        # SpecConfig says "gamma must be ..."; the user typed --gamma.
+        field = str(e).split()[0]
+        if field not in SPEC_FIELDS:
+            raise
+        raise VegasError(flag(field) + str(e)[len(field):]) from None
+    check_dataset(dataset)
+    dev, dt = check_device(device, dtype)
+    check_model_size(model, dev, dt, ctx=tokens, max_new_tokens=max_new_tokens,
+                     batch_size=batch_size, extra_tokens=gamma + 1)
+    count = batch_size if num_prompts is None else num_prompts
+    loaded = load_model(model, device=dev, dtype=dt)
+    prompts = load_prompts(loaded.tokenizer, dataset, tokens, count, seed)
     measurer = Measurer(loaded, Workload(prompts, batch_size, max_new_tokens, temperature, seed))
     with stderr.status("measuring vanilla decoding ..."):
         vanilla = measurer.measure(None)
@@ -279,12 +376,15 @@ def bench(
 @app.command()
 def validate(profile: Path = typer.Argument(..., help="Profile YAML."),
              debug: bool = typer.Option(False, help="Show tracebacks.")) -> None:
-    """Check a profile against the schema (exit 2 if invalid)."""
+    """Check a profile's types and meaning: limits, intervals, the recommendation and the
+    exports (exit 2 with one line naming the first problem)."""
     from vegas_tune.profile import load_profile
 
     p = load_profile(profile)
+    low, high = p.results.speedup_interval
     typer.echo(f"{profile}: valid (schema {p.schema_version}; gamma {p.tuned.gamma}, sparsity "
-               f"{p.tuned.sparsity_ratio}; recommended {str(p.recommended).lower()})")
+               f"{p.tuned.sparsity_ratio}; speedup {p.results.speedup:.2f}x [{low:.2f}, "
+               f"{high:.2f}]; recommended {str(p.recommended).lower()})")
 
 
 @app.command()
@@ -299,15 +399,27 @@ def show(profile: Path = typer.Argument(..., help="Profile YAML."),
         print(json.dumps(profile_to_dict(p), indent=1))
         return
     r = p.results
+
+    def figure(name: str, unit: str, digits: int) -> str:
+        """``1.42x [1.38, 1.46]``: a result with its confidence interval."""
+        low, high = getattr(r, f"{name}_interval")
+        return (f"{getattr(r, name):.{digits}f}{unit} "
+                f"[{low:.{digits}f}, {high:.{digits}f}]")
+
     hw = p.hardware.gpu_name or f"CPU ({p.hardware.cpu})"
     typer.echo(f"{profile}\n  model {p.model.id} ({p.model.dtype}) on {hw}; ctx {p.workload.ctx}, "
                f"batch {p.workload.batch_size}, dataset {p.workload.dataset}")
     typer.echo(f"  tuned: {p.tuned.drafter} gamma {p.tuned.gamma}, sparsity {p.tuned.sparsity_ratio}, "
                f"min_tokens {p.tuned.min_tokens}, collect {p.tuned.collect}, score {p.tuned.score}, "
                f"granularity {p.tuned.granularity}, window {p.tuned.window}")
-    typer.echo(f"  {r.tokens_per_second:.1f} tok/s; vanilla {r.vanilla_tokens_per_second:.1f} "
-               f"(x{r.speedup:.2f}); streaming {r.streaming_tokens_per_second:.1f} "
-               f"(x{r.speedup_over_streaming:.2f}); mean accepted length {r.mean_accepted_length:.2f}")
+    typer.echo(f"  {figure('tokens_per_second', ' tok/s', 1)}; vanilla "
+               f"{figure('vanilla_tokens_per_second', ' tok/s', 1)}; streaming "
+               f"{figure('streaming_tokens_per_second', ' tok/s', 1)}")
+    typer.echo(f"  speedup {figure('speedup', 'x', 2)} over vanilla, "
+               f"{figure('speedup_over_streaming', 'x', 2)} over streaming; mean accepted "
+               f"length {r.mean_accepted_length:.2f}")
+    typer.echo(f"  means of {r.rounds} interleaved rounds, {r.confidence:.0%} confidence "
+               "intervals in brackets")
     typer.echo(f"  recommended: {str(p.recommended).lower()}; made {p.provenance.started} by "
                f"`{p.provenance.command}`")
 
@@ -331,12 +443,20 @@ def export(profile: Path = typer.Argument(...),
            target: str = typer.Option("vllm", help="vllm (the authors' fork) or vegas (this engine)."),
            fmt: str = typer.Option("yaml", "--format", help="yaml or json."),
            out: Optional[Path] = typer.Option(None, help="Write here instead of stdout."),
+           force: bool = typer.Option(False, "--force", help="Export the tuned settings even "
+                                      "if the profile is not recommended."),
            debug: bool = typer.Option(False, help="Show tracebacks.")) -> None:
-    """Print a profile's serving config: `vllm serve --config` YAML, or JSON."""
-    from vegas_tune.export import render_export
+    """Print a profile's serving config: `vllm serve --config` YAML, or JSON. A profile
+    that is not recommended exports vanilla decoding (with a warning) unless --force."""
+    from vegas_tune.export import recommendation_note, render_export
     from vegas_tune.profile import load_profile
 
-    text = render_export(load_profile(profile), target, fmt)
+    p = load_profile(profile)
+    text = render_export(p, target, fmt, force=force)
+    note = recommendation_note(p, str(profile), force)
+    if note:
+        # Plain echo, not rich: rich would treat "[0.35, 0.41]" as possible markup.
+        typer.echo(note, err=True)
     if out is None:
         typer.echo(text, nl=not text.endswith("\n"))
         return

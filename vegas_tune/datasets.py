@@ -17,11 +17,13 @@ Embedded workloads: long prompts built from text every Python installation carri
 from __future__ import annotations
 
 import hashlib
-import inspect
 import importlib
+import importlib.util
+import inspect
 import itertools
 import random
 import re
+import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -129,6 +131,8 @@ FILE_READERS = (".jsonl", ".json", ".parquet", ".csv")
 # instead of being looked up on the Hugging Face Hub.
 FILE_LIKE_SUFFIXES = (*FILE_READERS, ".tsv", ".txt", ".gz", ".zst", ".arrow", ".xz", ".bz2")
 DEFAULT_HF_SPLIT = "train"
+# The package that reads Hugging Face datasets (optional).
+HUB_CLIENT = "datasets"
 # "name", "owner/name", "owner/name:split" (the Hub's own character set for ids).
 HF_ID_PATTERN = re.compile(r"^(?P<id>[\w.-]+(?:/[\w.-]+)?)(?::(?P<split>[\w.-]+))?$")
 # Token ids are hashed as little-endian 64-bit integers so the fingerprint does not
@@ -153,35 +157,73 @@ def load_prompts(tokenizer, dataset: str, ctx: int, count: int, seed: int = 0) -
     if count < 1:
         raise VegasError(f"the number of prompts must be at least 1, got {count}; "
                          "use --num-prompts 1 or more")
-    if dataset in EMBEDDED_DATASETS:
+    kind, where = _locate(dataset)
+    if kind == "embedded":
         return embedded_prompts(tokenizer, dataset, ctx, count, seed)
+    if kind == "file":
+        texts = _file_texts(where)
+        return _pack(tokenizer, texts, ctx, count, label=f"dataset file {where.name}",
+                     name_prefix=f"file:{where.name}")
+    try:
+        import datasets as hf_datasets
+    except ImportError:
+        raise VegasError(_needs_datasets_package(dataset)) from None
+    hf_id, split = where
+    texts = _hub_texts(hf_datasets, hf_id, split)
+    return _pack(tokenizer, texts, ctx, count, label=f"Hugging Face dataset {hf_id} ({split})",
+                 name_prefix=f"hf:{hf_id}:{split}")
 
+
+def check_dataset(dataset: str) -> None:
+    """Raise ``VegasError`` for a ``dataset`` that ``load_prompts`` would refuse before
+    reading a record: not an embedded name, a missing or empty file, a directory, an
+    unsupported file type, a malformed Hub id, no ``datasets`` package for a Hub id.
+    Needs no tokenizer, so a command can check ``--dataset`` before loading a model."""
+    _locate(dataset)
+
+
+def _locate(dataset: str) -> tuple[str, object]:
+    """("embedded", name), ("file", path) or ("hub", (id, split)), after the checks
+    that need no reading beyond the file's size."""
+    if dataset in EMBEDDED_DATASETS:
+        return "embedded", dataset
     path = Path(dataset).expanduser()
     if path.is_dir():
         raise VegasError(f"dataset path {dataset} is a directory; "
                          f"pass a {'/'.join(FILE_READERS)} file")
     if path.is_file():
-        texts = _file_texts(path)
-        return _pack(tokenizer, texts, ctx, count, label=f"dataset file {path.name}",
-                     name_prefix=f"file:{path.name}")
+        _check_file_type(path)
+        if path.stat().st_size == 0:
+            raise VegasError(_no_records(path))
+        return "file", path
     if _looks_like_path(dataset):
         raise VegasError(f"dataset file not found: {dataset}; check the path")
-
     match = HF_ID_PATTERN.match(dataset)
     if match is None:
         raise VegasError(f"dataset '{dataset}' is not a file, an embedded dataset "
                          f"({', '.join(EMBEDDED_DATASETS)}) or a Hugging Face id "
                          "(owner/name[:split]); check the name")
-    try:
-        import datasets as hf_datasets
-    except ImportError:
-        raise VegasError(f"dataset '{dataset}' is not a file or an embedded dataset "
-                         f"({', '.join(EMBEDDED_DATASETS)}); Hugging Face dataset ids need "
-                         "`pip install datasets`") from None
-    hf_id, split = match["id"], match["split"] or DEFAULT_HF_SPLIT
-    texts = _hub_texts(hf_datasets, hf_id, split)
-    return _pack(tokenizer, texts, ctx, count, label=f"Hugging Face dataset {hf_id} ({split})",
-                 name_prefix=f"hf:{hf_id}:{split}")
+    if not _hub_client_installed():
+        raise VegasError(_needs_datasets_package(dataset))
+    return "hub", (match["id"], match["split"] or DEFAULT_HF_SPLIT)
+
+
+def _hub_client_installed() -> bool:
+    """Whether ``import datasets`` can work, without importing it (slow)."""
+    if HUB_CLIENT in sys.modules:
+        return sys.modules[HUB_CLIENT] is not None  # None: an import that failed before
+    return importlib.util.find_spec(HUB_CLIENT) is not None
+
+
+def _needs_datasets_package(dataset: str) -> str:
+    return (f"dataset '{dataset}' is not a file or an embedded dataset "
+            f"({', '.join(EMBEDDED_DATASETS)}); Hugging Face dataset ids need "
+            f"`pip install {HUB_CLIENT}`")
+
+
+def _no_records(path: Path) -> str:
+    return (f"dataset file {path} has no records; add records with a "
+            f"{' or '.join(repr(c) for c in TEXT_COLUMNS)} field, or use another --dataset")
 
 
 def dataset_fingerprint(prompts: list[Prompt]) -> str:
@@ -205,13 +247,18 @@ def _looks_like_path(name: str) -> bool:
     return name.startswith(("/", ".", "~")) or "\\" in name or name.count("/") > 1
 
 
-def _read_table(path: Path):
-    import pandas as pd
-
+def _check_file_type(path: Path) -> None:
     suffix = path.suffix.lower()
     if suffix not in FILE_READERS:
         raise VegasError(f"unsupported dataset file type '{suffix}' ({path.name}); "
                          f"use a {'/'.join(FILE_READERS)} file")
+
+
+def _read_table(path: Path):
+    import pandas as pd
+
+    _check_file_type(path)
+    suffix = path.suffix.lower()
     try:
         if suffix == ".parquet":
             return pd.read_parquet(path)
@@ -246,6 +293,10 @@ def _clean(value) -> str | None:
 
 def _file_texts(path: Path) -> Iterator[str]:
     table = _read_table(path)
+    if len(table) == 0:
+        # Checked before the column: a file without records has no columns either, and
+        # "no text column" would send the user looking for a misnamed field.
+        raise VegasError(_no_records(path))
     column = _text_column(table.columns, f"dataset file {path.name}")
     return (text for text in map(_clean, table[column]) if text is not None)
 
@@ -292,6 +343,9 @@ def _pack(tokenizer, texts: Iterable[str], ctx: int, count: int, *, label: str,
         pending, pending_tokens = [], 0
         if len(prompts) == count:
             return prompts
+    if records == 0:
+        raise VegasError(f"{label} has no records with text (every one is missing or blank); "
+                         "use another --dataset")
     raise VegasError(
         f"{label} makes only {len(prompts)} of {count} prompts of {ctx} tokens: it holds "
         f"{total_tokens} tokens in {records} records, and {count * ctx} are needed at least; "

@@ -6,6 +6,18 @@ no setting for ``collect``, ``score``, ``granularity`` or ``window`` (it ranks t
 softmax weights), so those stay with this engine. Stock vLLM rejects the fork's keys.
 
 vegas: the keyword arguments of ``vegas_core.SpecConfig`` for the same settings.
+
+A profile with ``recommended: false`` measured no reliable gain over vanilla decoding, so
+``render_export`` exports vanilla decoding unless told to ``force`` the tuned settings:
+
+- vllm, yaml: the serve config without its ``speculative-config`` key (a ``# `` comment
+  says why); vllm, json: ``null``, which ``--speculative-config`` reads as "no
+  speculative decoding";
+- vegas, yaml or json: ``null``, standing for ``spec=None``, which is how
+  ``vegas_core.generate`` decodes plainly (``SpecConfig(**settings)`` on it fails loudly
+  rather than speculating with defaults).
+
+``recommendation_note`` gives the one line the CLI prints on stderr in that case.
 """
 
 from __future__ import annotations
@@ -35,6 +47,11 @@ JSON_INDENT = 2
 
 EXPORT_TARGETS = ("vllm", "vegas")
 EXPORT_FORMATS = ("yaml", "json")
+
+# What a not-recommended profile exports by default: no speculative settings at all.
+VANILLA_NOTE = ("Not recommended: the tuned settings did not beat vanilla decoding reliably, "
+                "so this config has no speculative decoding.")
+VANILLA_TEXT = "null\n"
 
 
 def vllm_speculative_config(tuned: Tuned) -> dict[str, Any]:
@@ -95,13 +112,15 @@ def _comment(text: str) -> str:
     return "".join(f"# {line}\n" for line in text.splitlines())
 
 
-def render_export(profile: Profile, target: str, fmt: str) -> str:
+def render_export(profile: Profile, target: str, fmt: str, force: bool = False) -> str:
     """Render one of the profile's stored exports as text.
 
     target ``vllm``: fmt ``yaml`` gives the serve config for ``vllm serve --config``,
     preceded by the note as a ``# `` comment; fmt ``json`` gives the speculative config
     JSON that ``--speculative-config`` takes on the command line.
     target ``vegas``: this engine's settings as YAML or JSON.
+    A profile that is not recommended renders vanilla decoding instead (see the module
+    docstring) unless ``force`` is true.
     An unknown target or format raises ``VegasError`` naming the allowed values.
     """
     if target not in EXPORT_TARGETS:
@@ -110,6 +129,8 @@ def render_export(profile: Profile, target: str, fmt: str) -> str:
     if fmt not in EXPORT_FORMATS:
         raise VegasError(f"unknown export format '{fmt}'; choose one of: "
                          f"{', '.join(EXPORT_FORMATS)}")
+    if not profile.recommended and not force:
+        return _render_vanilla(profile, target, fmt)
     if target == "vllm":
         vllm = profile.exports.vllm
         if fmt == "yaml":
@@ -117,3 +138,28 @@ def render_export(profile: Profile, target: str, fmt: str) -> str:
         return vllm.speculative_config_json.rstrip("\n") + "\n"
     settings = profile.exports.vegas
     return _yaml(settings) if fmt == "yaml" else _json(settings)
+
+
+def _render_vanilla(profile: Profile, target: str, fmt: str) -> str:
+    if target == "vllm" and fmt == "yaml":
+        serve = {key: value for key, value in profile.exports.vllm.serve_config.items()
+                 if key != VLLM_SPECULATIVE_KEY}
+        return _comment(VANILLA_NOTE) + _yaml(serve)
+    if fmt == "yaml":
+        return _comment(VANILLA_NOTE) + VANILLA_TEXT
+    return VANILLA_TEXT
+
+
+def recommendation_note(profile: Profile, source: str, force: bool) -> str | None:
+    """The one stderr line ``export`` prints for a profile that is not recommended (what
+    was exported, and why); None for a recommended profile."""
+    if profile.recommended:
+        return None
+    r = profile.results
+    low, high = r.speedup_interval
+    why = (f"{source} is not recommended (speedup {r.speedup:.2f}x, interval "
+           f"[{low:.2f}, {high:.2f}])")
+    if force:
+        return f"note: {why}: exporting the tuned settings anyway, as --force asks"
+    return (f"warning: {why}: exporting vanilla decoding; pass --force to export the "
+            "tuned settings")

@@ -11,9 +11,10 @@ more batches than one.
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 from vegas_core import SpecConfig, generate
 from vegas_core.graphs import static_steps
@@ -73,6 +74,23 @@ class Measurement:
 
     def as_attrs(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def average(cls, rounds: list[Measurement]) -> Measurement:
+        """One measurement from repeated ones: every rate and cost is the mean over the
+        rounds (lists element by element), every count and time the total."""
+        summed = ("decode_seconds", "decode_tokens", "steady_seconds", "steady_tokens",
+                  "iterations", "steady_iterations", "prefill_seconds", "wall_seconds")
+        values = {}
+        for f in fields(cls):
+            column = [getattr(m, f.name) for m in rounds]
+            if f.name in summed:
+                values[f.name] = sum(column)
+            elif isinstance(column[0], list):
+                values[f.name] = [statistics.fmean(items) for items in zip(*column)]
+            else:
+                values[f.name] = statistics.fmean(column)
+        return cls(**values)
 
 
 # report(batch_index, running tokens/s) after each batch; it may raise to stop early.
@@ -151,3 +169,24 @@ class Measurer:
             selection_step_seconds=_ratio(costs["selection"], steps),
             decode_step_seconds=_ratio(timed, steps) if spec is None else 0.0,
         )
+
+
+# after_round(rounds done, samples so far by name) -> True to stop.
+RoundCheck = Callable[[int, dict[str, list[Measurement]]], bool]
+
+
+def interleave(measurer: Measurer, configs: dict[str, SpecConfig | None], max_rounds: int,
+               after_round: RoundCheck) -> dict[str, list[Measurement]]:
+    """Measure every configuration once per round until ``after_round`` says stop or
+    ``max_rounds`` are done. Configurations compared with each other are measured side
+    by side, so a machine that slows down (another job, a warm-up, thermal throttling)
+    slows them alike; the order rotates each round so that no position is favoured."""
+    names = list(configs)
+    samples: dict[str, list[Measurement]] = {name: [] for name in names}
+    for done in range(1, max_rounds + 1):
+        first = (done - 1) % len(names)
+        for name in names[first:] + names[:first]:
+            samples[name].append(measurer.measure(configs[name]))
+        if after_round(done, samples):
+            break
+    return samples

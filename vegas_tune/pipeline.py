@@ -20,11 +20,13 @@ from vegas_tune.datasets import dataset_fingerprint, load_prompts
 from vegas_tune.export import build_exports
 from vegas_tune.hardware import fingerprint, gpu_slug
 from vegas_tune.measure import Measurer, Workload
-from vegas_tune.profile import (Tuned, load_profile, profile_from_dict, profile_to_dict,
-                                write_profile)
+from vegas_tune.profile import (SCHEMA_VERSION, Tuned, load_profile, profile_from_dict,
+                                profile_to_dict, write_profile)
 from vegas_tune.report import (plot_acceptance_vs_sparsity, plot_throughput_vs_gamma,
                                write_report, write_trials_table)
-from vegas_tune.tuner import TuneOptions, Tuner, ctx_label
+from vegas_tune.progress import ProgressCallback
+from vegas_tune.stats import CONFIDENCE
+from vegas_tune.tuner import TuneOptions, Tuner, check_measurable, check_study, ctx_label
 
 log = logging.getLogger("vegas_tune")
 
@@ -50,6 +52,7 @@ class TuneSettings:
     num_prompts: int
     options: TuneOptions
     command: str
+    new_study: bool = False
 
 
 def model_slug(spec: str) -> str:
@@ -95,10 +98,22 @@ def default_out(settings: TuneSettings, hardware: dict) -> Path:
     return Path("profiles") / model_slug(settings.model) / f"{gpu_slug(hardware)}-{ctx_label(settings.ctx)}.yaml"
 
 
-def run_tune(settings: TuneSettings, progress=None) -> tuple[dict, int]:
+def run_tune(settings: TuneSettings,
+             progress: ProgressCallback | None = None) -> tuple[dict, int]:
     """Tune, write every file, and return (summary, exit code)."""
     started = datetime.datetime.now(datetime.timezone.utc)
     t0 = time.monotonic()
+    hardware = fingerprint(settings.device)
+    out = settings.out or default_out(settings, hardware)
+    stem = out.with_suffix("")
+    storage = settings.storage or str(stem) + ".optuna.journal"
+    study_name = settings.study_name or f"{model_slug(settings.model)}-{gpu_slug(hardware)}-{ctx_label(settings.ctx)}"
+    # Refuse a --resume of another workload (or a rerun without --resume) before loading.
+    check_study(None, storage, study_name, resume=settings.resume, new_study=settings.new_study,
+                fingerprint=settings_fingerprint(settings, hardware))
+    batches = -(-settings.num_prompts // settings.batch_size)
+    check_measurable(settings.options, settings.max_new_tokens,
+                     batches * settings.batch_size * settings.max_new_tokens)
     log.info("loading %s", settings.model)
     model = load_model(settings.model, device=settings.device, dtype=settings.dtype)
     if model.tokenizer is None:
@@ -107,11 +122,6 @@ def run_tune(settings: TuneSettings, progress=None) -> tuple[dict, int]:
     if settings.ctx + settings.max_new_tokens > limit:
         raise VegasError(f"--ctx {settings.ctx} + --max-new-tokens {settings.max_new_tokens} "
                          f"exceeds {model.spec}'s maximum of {limit} positions; lower --ctx")
-    hardware = fingerprint(str(model.device))
-    out = settings.out or default_out(settings, hardware)
-    stem = out.with_suffix("")
-    storage = settings.storage or str(stem) + ".optuna.journal"
-    study_name = settings.study_name or f"{model_slug(settings.model)}-{gpu_slug(hardware)}-{ctx_label(settings.ctx)}"
     prompts = load_prompts(model.tokenizer, settings.dataset, settings.ctx,
                            settings.num_prompts, settings.seed)
     workload = Workload(prompts, settings.batch_size, settings.max_new_tokens,
@@ -119,19 +129,23 @@ def run_tune(settings: TuneSettings, progress=None) -> tuple[dict, int]:
     log.info("model %s on %s; %d prompts of %d tokens from %s; study %s in %s", model.label,
              hardware.get("gpu_name") or "CPU", len(prompts), settings.ctx, settings.dataset,
              study_name, storage)
+    fp = {**settings_fingerprint(settings, hardware),
+          "dtype": str(model.dtype).removeprefix("torch."),
+          "dataset_sha256": dataset_fingerprint(prompts)}
     tuner = Tuner(Measurer(model, workload), storage, study_name, settings.options,
-                  resume=settings.resume, progress=progress)
+                  resume=settings.resume, new_study=False, fingerprint=fp, progress=progress)
     result = tuner.run()
 
     chosen, vanilla, streaming = (result.baselines[k] for k in ("chosen", "vanilla", "streaming"))
-    speedup = chosen["tokens_per_second"] / vanilla["tokens_per_second"]
-    recommended = speedup > 1.0
+    # Recommended only when the whole interval of the speedup lies above 1: a mean above
+    # 1 inside the noise is not a result a deployment can rest on.
+    recommended = chosen["speedup_low"] > 1.0
     spec = result.spec
     tuned = dict(drafter=spec.drafter, gamma=spec.gamma, sparsity_ratio=spec.sparsity,
                  min_tokens=spec.min_tokens, collect=spec.collect, score=spec.score,
                  granularity=spec.granularity, window=spec.window)
     profile = {
-        "schema_version": 1,
+        "schema_version": SCHEMA_VERSION,
         "recommended": recommended,
         "tuned": tuned,
         "model": {"id": settings.model, "path": str(model.path) if model.path else None,
@@ -144,18 +158,20 @@ def run_tune(settings: TuneSettings, progress=None) -> tuple[dict, int]:
                      "num_prompts": len(prompts)},
         "hardware": hardware,
         "results": {
-            "tokens_per_second": round(chosen["tokens_per_second"], 3),
-            "vanilla_tokens_per_second": round(vanilla["tokens_per_second"], 3),
-            "streaming_tokens_per_second": round(streaming["tokens_per_second"], 3),
-            "speedup": round(speedup, 4),
-            "speedup_over_streaming": round(chosen["tokens_per_second"]
-                                            / streaming["tokens_per_second"], 4),
+            **_figure(chosen, "tokens_per_second", "tokens_per_second", 3),
+            **_figure(vanilla, "tokens_per_second", "vanilla_tokens_per_second", 3),
+            **_figure(streaming, "tokens_per_second", "streaming_tokens_per_second", 3),
+            **_figure(chosen, "speedup", "speedup", 4),
+            **_figure(chosen, "speedup_over_streaming", "speedup_over_streaming", 4),
             "mean_accepted_length": round(chosen["mean_accepted_length"], 4),
             "acceptance_by_position": [round(a, 4) for a in chosen["acceptance_by_position"]],
             "selection_overhead": round(chosen["selection_overhead"], 5),
+            "rounds": chosen["rounds"],
+            "confidence": CONFIDENCE,
         },
         "steps": [{"name": s.name, "study": s.study, "trials": s.trials, "chosen": s.chosen,
-                   "notes": s.notes, "predictions": s.predictions} for s in result.steps],
+                   "notes": s.notes, "predictions": s.predictions,
+                   "within_noise": s.within_noise} for s in result.steps],
         "provenance": {"tool_version": engine_version, "git_revision": git_revision(),
                        "command": settings.command, "started": started.isoformat(timespec="seconds"),
                        "duration_seconds": round(time.monotonic() - t0, 1),
@@ -174,6 +190,28 @@ def run_tune(settings: TuneSettings, progress=None) -> tuple[dict, int]:
     return summary, 0 if recommended else EXIT_NOT_RECOMMENDED
 
 
+def _figure(attrs: dict, name: str, as_name: str, digits: int) -> dict:
+    """``{as_name: mean, as_name_interval: [low, high]}`` from a trial's attributes."""
+    return {as_name: round(attrs[name], digits),
+            f"{as_name}_interval": [round(attrs[f"{name}_low"], digits),
+                                    round(attrs[f"{name}_high"], digits)]}
+
+
+def settings_fingerprint(settings: TuneSettings, hardware: dict) -> dict:
+    """What a study's measurements depend on, as far as the settings say; the tuner adds
+    the model's dtype and the prompts' hash. Resuming a study recorded with another
+    fingerprint would mix workloads in one profile, so it is refused. Search sizes
+    (trials, candidates, the time budget) are left out: resuming with more is the point."""
+    o = settings.options
+    return {"model": settings.model, "device": hardware.get("gpu_name") or "cpu",
+            "ctx": settings.ctx, "dataset": settings.dataset, "num_prompts": settings.num_prompts,
+            "batch_size": settings.batch_size, "max_new_tokens": settings.max_new_tokens,
+            "temperature": settings.temperature, "seed": settings.seed,
+            "probe_gamma": o.probe_gamma, "gamma_max": o.gamma_max,
+            "sparsity_grid": sorted(set(o.sparsity_grid)), "tolerance": o.tolerance,
+            "min_tokens": o.min_tokens, "max_rounds": o.max_rounds, "precision": o.precision}
+
+
 def previous_profile(out: Path) -> dict | None:
     """The profile a run is about to replace at ``out``, for its report to say what
     changed; None when there is none or it does not load (it is replaced all the same)."""
@@ -189,16 +227,29 @@ def previous_profile(out: Path) -> dict | None:
 def write_artifacts(profile: dict, result, stem: Path,
                     previous: dict | None = None) -> dict[str, str]:
     """The trials table, the two plots and the Markdown report beside the profile
-    (comparing with ``previous``, the profile replaced, when given)."""
-    trials_path = write_trials_table(result.trials, stem.with_suffix(".trials.csv"))
-    acceptance = stem.with_suffix(".acceptance.png")
-    chosen_sparsity = next(s.chosen["sparsity"] for s in result.steps if s.name == "sparsity")
-    plot_acceptance_vs_sparsity(result.trials, acceptance, chosen=chosen_sparsity)
-    throughput = stem.with_suffix(".throughput.png")
-    predictions = next(s.predictions for s in result.steps if s.name == "gamma")
-    chosen_gamma = next(s.chosen["gamma"] for s in result.steps if s.name == "gamma")
-    plot_throughput_vs_gamma(predictions, throughput, chosen=chosen_gamma)
-    report = write_report(profile, result.trials, stem.with_suffix(".report.md"),
+    (comparing with ``previous``, the profile replaced, when given).
+
+    ``stem`` is the profile's path without its ``.yaml``; every file keeps all of it:
+    ``my.v2.yaml`` gets ``my.v2.trials.csv``, ``my.v2.acceptance.png``,
+    ``my.v2.throughput.png`` and ``my.v2.report.md``. ``profile`` is the validated
+    profile as a dict; the plots mark its own tuned values (and step 1's sparsity,
+    labelled as such, since step ``refine`` may have moved it), so they agree with it.
+    """
+    def beside(suffix: str) -> Path:
+        # Not stem.with_suffix: that replaces a dotted stem's last part ("my.v2" -> "my").
+        return stem.with_name(stem.name + suffix)
+
+    steps = {step["name"]: step for step in profile["steps"]}
+    trials_path = write_trials_table(result.trials, beside(".trials.csv"))
+    acceptance = beside(".acceptance.png")
+    step1_sparsity = (steps.get("sparsity") or {}).get("chosen", {}).get("sparsity")
+    plot_acceptance_vs_sparsity(result.trials, acceptance, tuned=profile["tuned"],
+                                step1_sparsity=step1_sparsity)
+    throughput = beside(".throughput.png")
+    predictions = (steps.get("gamma") or {}).get("predictions") or []
+    plot_throughput_vs_gamma(predictions, throughput, tuned=profile["tuned"],
+                             results=profile["results"], trials=result.trials)
+    report = write_report(profile, result.trials, beside(".report.md"),
                           {"acceptance vs sparsity": acceptance.name,
                            "throughput vs gamma": throughput.name}, previous=previous)
     return {"trials": str(trials_path), "acceptance_plot": str(acceptance),

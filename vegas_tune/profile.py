@@ -7,53 +7,153 @@ deployment. ``docs/profile-format.md`` documents every field.
 
 The schema is strict: every model rejects unknown keys, and ``schema_version`` must equal
 ``SCHEMA_VERSION``. An incompatible change to the format takes a new version number.
+Types are strict too (``gamma: '1'`` or ``recommended: 'yes'`` are errors, not coerced;
+an int may stand for a float), every float is finite, and the values must make sense:
+tuned settings within the engine's limits, intervals that contain their means, a
+recommendation backed by the speedup interval, exports derived from ``tuned``. The
+validators below enforce this, so ``profile_from_dict`` (which the tuner calls before
+writing) and ``load_profile`` apply the same rules.
 
-Public API: the models below, ``load_profile``, ``write_profile``, ``profile_to_dict``,
-``profile_from_dict``, ``diff_profiles`` and ``ProfileDiff``.
+YAML is read by ``read_yaml``, which refuses anchors and aliases (the tool never writes
+them; they allow "billion laughs" documents) and texts over ``MAX_YAML_BYTES``.
+
+Public API: the models below, ``read_yaml``, ``load_profile``, ``write_profile``,
+``profile_to_dict``, ``profile_from_dict``, ``diff_profiles`` and ``ProfileDiff``.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import secrets
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field,
+                      PlainValidator, ValidationError, field_validator, model_validator)
 
 from vegas_core.errors import VegasError
+from vegas_core.spec_config import (COLLECT, DRAFTERS, GRANULARITIES, MAX_GAMMA, MAX_WINDOW,
+                                    SCORES)
 
 SCHEMA_VERSION = 2
 
-# Upper bound of ``Tuned.window`` (as ``vegas_core.spec_config.MAX_WINDOW``): at least a
-# quarter of a vegas budget stays verification-guided.
-MAX_WINDOW_SHARE = 0.75
+# Upper bound of ``Tuned.window``: the engine's own limit. Kept under this name for callers.
+MAX_WINDOW_SHARE = MAX_WINDOW
+
+# Profiles are a few KiB; anything this large is not one, and is refused before parsing.
+MAX_YAML_BYTES = 4 * 2**20
+
+# Relative slack when checking low <= value <= high: floating-point sums, and a mean and
+# its interval ends rounded to different digits, can leave a mean a last digit outside.
+INTERVAL_SLACK = 1e-6
 
 # YAML lines are not wrapped: long values (the command line, notes) stay on one line.
 _YAML_LINE_WIDTH = 1_000_000
 
 
-class _Strict(BaseModel):
-    """Base of every profile model: unknown keys are errors, not silently dropped."""
+class _FieldProblem(ValueError):
+    """A validator's finding about a field below the one being validated; ``loc`` is its
+    path relative to the model that raised it, so the error names the exact field."""
 
-    model_config = ConfigDict(extra="forbid")
+    def __init__(self, loc: tuple, problem: str) -> None:
+        super().__init__(problem)
+        self.loc = loc
+        self.problem = problem
+
+
+class _Strict(BaseModel):
+    """Base of every profile model: unknown keys are errors, not silently dropped; types
+    are not coerced (``'1'`` is not an int, ``'yes'`` not a bool; an int may stand for a
+    float); NaN and infinities are refused."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+def _one_of(allowed: tuple[str, ...]):
+    """A validator accepting only the engine's names in ``allowed``."""
+    def check(value: str) -> str:
+        if value not in allowed:
+            raise ValueError(f"unknown value {value!r}; choose one of: {', '.join(allowed)}")
+        return value
+    return AfterValidator(check)
+
+
+def _scalar(value: Any) -> int | float | str:
+    # A plain validator, not a union of types, so errors name the key, not a union member.
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"expected a number or a string, got {type(value).__name__}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"expected a finite number, got {value}")
+    return value
+
+
+# A value in a step's ``chosen`` or ``within_noise`` mapping.
+Scalar = Annotated[int | float | str, PlainValidator(_scalar)]
+
+
+def _list_from_tuple(value: Any) -> Any:
+    # The tuner may hand over (low, high) tuples; YAML only ever gives lists.
+    return list(value) if isinstance(value, tuple) else value
+
+
+def _two_numbers(value: list[float]) -> list[float]:
+    if len(value) != 2:
+        raise ValueError(f"expected exactly two numbers [low, high], got {len(value)}")
+    return value
+
+
+def _check_interval(name: str, value: float | None, interval: list[float] | None) -> None:
+    """Raise ``_FieldProblem`` unless ``interval`` = [low, high] contains ``value``."""
+    if interval is None:
+        return
+    if value is None:
+        raise _FieldProblem((f"{name}_interval",), f"given without {name}")
+    low, high = interval
+    slack = INTERVAL_SLACK * max(abs(low), abs(high), abs(value))
+    if not low - slack <= value <= high + slack:
+        raise _FieldProblem((f"{name}_interval",),
+                            f"[{low:g}, {high:g}] does not contain {name} {value:g}; "
+                            "expected low <= value <= high")
+
+
+def _check_intervals(model: BaseModel) -> None:
+    """Check every ``<x>_interval`` field of ``model`` against its ``<x>``."""
+    for name in type(model).model_fields:
+        if name.endswith("_interval"):
+            base = name.removesuffix("_interval")
+            _check_interval(base, getattr(model, base), getattr(model, name))
+
+
+def _check_finite(value: Any, loc: tuple = ()) -> None:
+    """Raise ``_FieldProblem`` at the first NaN or infinity inside free-form data."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise _FieldProblem(loc, f"expected a finite number, got {value}")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _check_finite(item, (*loc, key))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            _check_finite(item, (*loc, index))
 
 
 class Tuned(_Strict):
     """The recommended speculative settings: the engine's ``SpecConfig`` fields, with
     ``sparsity`` named ``sparsity_ratio``."""
 
-    drafter: str = Field(description="drafter name; the tuner tunes 'vegas'")
-    gamma: int = Field(ge=1, description="draft tokens per iteration")
+    drafter: Annotated[str, _one_of(DRAFTERS)] = Field(
+        description="drafter name; the tuner tunes 'vegas'")
+    gamma: int = Field(ge=1, le=MAX_GAMMA, description="draft tokens per iteration")
     sparsity_ratio: float = Field(gt=0.0, le=1.0, description="draft budget share of the prefix")
     min_tokens: int = Field(ge=1, description="smallest draft budget, in tokens")
-    collect: Literal["two", "all", "last"]
-    score: Literal["logit", "weight"]
-    granularity: Literal["layer", "kv_head"]
-    window: float = Field(ge=0.0, le=MAX_WINDOW_SHARE,
+    collect: Annotated[str, _one_of(COLLECT)]
+    score: Annotated[str, _one_of(SCORES)]
+    granularity: Annotated[str, _one_of(GRANULARITIES)]
+    window: float = Field(ge=0.0, le=MAX_WINDOW,
                           description="budget share reserved for sink and recent tokens")
 
 
@@ -71,20 +171,20 @@ class ModelInfo(_Strict):
 class Workload(_Strict):
     """The prompts and decoding settings the measurements used."""
 
-    ctx: int
-    batch_size: int
-    max_new_tokens: int
-    temperature: float
+    ctx: int = Field(ge=1)
+    batch_size: int = Field(ge=1)
+    max_new_tokens: int = Field(ge=1)
+    temperature: float = Field(ge=0.0)
     dataset: str
     dataset_sha256: str
-    num_prompts: int
+    num_prompts: int = Field(ge=1)
 
 
 class Hardware(_Strict):
     """The machine and software stack the measurements ran on."""
 
     gpu_name: str | None
-    gpu_count: int
+    gpu_count: int = Field(ge=0)
     gpu_memory_gb: float | None
     driver: str | None
     cuda: str | None
@@ -95,7 +195,10 @@ class Hardware(_Strict):
 
 
 # A confidence interval: [low, high] around a mean.
-Interval = list[float]
+Interval = Annotated[list[float], BeforeValidator(_list_from_tuple), AfterValidator(_two_numbers)]
+# Throughputs and ratios of throughputs: a measurement of zero or less is not one.
+Positive = Annotated[float, Field(gt=0.0)]
+Share = Annotated[float, Field(ge=0.0, le=1.0)]
 
 
 class Results(_Strict):
@@ -107,31 +210,44 @@ class Results(_Strict):
     are means of per-round ratios, so drift between rounds hits both sides of a ratio.
     """
 
-    tokens_per_second: float
+    tokens_per_second: Positive
     tokens_per_second_interval: Interval
-    vanilla_tokens_per_second: float
+    vanilla_tokens_per_second: Positive
     vanilla_tokens_per_second_interval: Interval
-    streaming_tokens_per_second: float
+    streaming_tokens_per_second: Positive
     streaming_tokens_per_second_interval: Interval
-    speedup: float
+    speedup: Positive
     speedup_interval: Interval
-    speedup_over_streaming: float
+    speedup_over_streaming: Positive
     speedup_over_streaming_interval: Interval
-    mean_accepted_length: float
-    acceptance_by_position: list[float]
-    selection_overhead: float
-    rounds: int = Field(description="interleaved measurement rounds behind each figure")
-    confidence: float = Field(description="confidence level of the intervals, e.g. 0.95")
+    # At least the one token the verify pass always yields; at most gamma + 1 (checked
+    # by Profile, which knows gamma).
+    mean_accepted_length: float = Field(ge=1.0)
+    acceptance_by_position: list[Share]
+    selection_overhead: Share
+    rounds: int = Field(ge=1, description="interleaved measurement rounds behind each figure")
+    confidence: float = Field(gt=0.0, lt=1.0,
+                              description="confidence level of the intervals, e.g. 0.95")
+
+    @model_validator(mode="after")
+    def _intervals_contain_means(self) -> Results:
+        _check_intervals(self)
+        return self
 
 
 class GammaPrediction(_Strict):
     """One gamma's predicted throughput, and the measured one where it was run."""
 
-    gamma: int
+    gamma: int = Field(ge=1, le=MAX_GAMMA)
     predicted_tokens_per_second: float
-    measured_tokens_per_second: float | None
-    measured_speedup: float | None = None
+    measured_tokens_per_second: Positive | None
+    measured_speedup: Positive | None = None
     measured_speedup_interval: Interval | None = None
+
+    @model_validator(mode="after")
+    def _interval_contains_mean(self) -> GammaPrediction:
+        _check_intervals(self)
+        return self
 
 
 class StepSummary(_Strict):
@@ -139,13 +255,13 @@ class StepSummary(_Strict):
 
     name: str
     study: str
-    trials: int
-    chosen: dict[str, float | int | str]
+    trials: int = Field(ge=0)
+    chosen: dict[str, Scalar]
     notes: str = ""
     predictions: list[GammaPrediction] = Field(default_factory=list)
     # Measured configurations whose speedup interval overlaps the chosen one's: the step
     # could not tell them apart, and chose the cheapest (see docs/tuning.md).
-    within_noise: list[dict[str, float | int | str]] = Field(default_factory=list)
+    within_noise: list[dict[str, Scalar]] = Field(default_factory=list)
 
 
 class Provenance(_Strict):
@@ -155,7 +271,7 @@ class Provenance(_Strict):
     git_revision: str | None
     command: str
     started: str
-    duration_seconds: float
+    duration_seconds: float = Field(ge=0.0)
     engine_path: str
 
     @field_validator("started")
@@ -176,12 +292,24 @@ class VllmExport(_Strict):
     serve_config: dict[str, Any]
     speculative_config_json: str
 
+    @field_validator("serve_config")
+    @classmethod
+    def _serve_config_is_finite(cls, value: dict[str, Any]) -> dict[str, Any]:
+        _check_finite(value)
+        return value
+
 
 class Exports(_Strict):
     """Ready-to-use settings derived from ``tuned``, one entry per consumer."""
 
     vllm: VllmExport
     vegas: dict[str, Any]
+
+    @field_validator("vegas")
+    @classmethod
+    def _vegas_is_finite(cls, value: dict[str, Any]) -> dict[str, Any]:
+        _check_finite(value)
+        return value
 
 
 class Profile(_Strict):
@@ -205,6 +333,78 @@ class Profile(_Strict):
             raise ValueError(_version_message(value))
         return value
 
+    @model_validator(mode="after")
+    def _sections_agree(self) -> Profile:
+        """The checks that span sections: results against gamma, the recommendation
+        against the speedup interval, the exports against ``tuned``."""
+        gamma, results = self.tuned.gamma, self.results
+        if len(results.acceptance_by_position) != gamma:
+            raise _FieldProblem(
+                ("results", "acceptance_by_position"),
+                f"has {len(results.acceptance_by_position)} entries; expected one per draft "
+                f"position, tuned.gamma = {gamma}")
+        if results.mean_accepted_length > gamma + 1:
+            raise _FieldProblem(
+                ("results", "mean_accepted_length"),
+                f"{results.mean_accepted_length:g} exceeds tuned.gamma + 1 = {gamma + 1}, "
+                "the most one iteration can accept")
+        low, high = results.speedup_interval
+        if self.recommended and not low > 1.0:
+            raise _FieldProblem(
+                ("recommended",),
+                f"true, but the speedup interval [{low:g}, {high:g}] does not lie wholly "
+                "above 1; the tuner recommends only when it does (set recommended: false)")
+        _check_exports(self.exports, self.tuned)
+        return self
+
+
+def _mismatch(found: dict[str, Any], expected: dict[str, Any]) -> tuple[str, str] | None:
+    """The first key where ``found`` differs from ``expected``, and how; None if equal."""
+    for key, want in expected.items():
+        if key not in found:
+            return key, f"missing; tuned gives {want!r}"
+        have = found[key]
+        # 1 == True in Python; a bool where a number belongs is still a mismatch.
+        if have != want or isinstance(have, bool) != isinstance(want, bool):
+            return key, f"{have!r} contradicts tuned, which gives {want!r}"
+    for key in found:
+        if key not in expected:
+            return key, "not derived from tuned; remove it"
+    return None
+
+
+_REGENERATE = "; exports must be derived from tuned (re-run the tuner, or fix the value)"
+
+
+def _check_exports(exports: Exports, tuned: Tuned) -> None:
+    """Raise ``_FieldProblem`` unless every export says what ``tuned`` says."""
+    # export.py imports this module at its top; importing it here, at validation time,
+    # avoids the cycle and keeps one definition of each export.
+    from vegas_tune.export import VLLM_SPECULATIVE_KEY, engine_settings, vllm_speculative_config
+
+    problem = _mismatch(exports.vegas, engine_settings(tuned))
+    if problem:
+        raise _FieldProblem(("exports", "vegas", problem[0]), problem[1] + _REGENERATE)
+    speculative = vllm_speculative_config(tuned)
+    serve_loc = ("exports", "vllm", "serve_config", VLLM_SPECULATIVE_KEY)
+    in_serve = exports.vllm.serve_config.get(VLLM_SPECULATIVE_KEY)
+    if not isinstance(in_serve, dict):
+        raise _FieldProblem(serve_loc, f"expected the speculative config mapping, got "
+                                       f"{type(in_serve).__name__}{_REGENERATE}")
+    problem = _mismatch(in_serve, speculative)
+    if problem:
+        raise _FieldProblem((*serve_loc, problem[0]), problem[1] + _REGENERATE)
+    json_loc = ("exports", "vllm", "speculative_config_json")
+    try:
+        in_json = json.loads(exports.vllm.speculative_config_json)
+    except json.JSONDecodeError as error:
+        raise _FieldProblem(json_loc, f"not valid JSON: {error}") from None
+    if not isinstance(in_json, dict):
+        raise _FieldProblem(json_loc, f"expected a JSON object, got {type(in_json).__name__}")
+    problem = _mismatch(in_json, speculative)
+    if problem:
+        raise _FieldProblem(json_loc, f"key {problem[0]!r}: {problem[1]}{_REGENERATE}")
+
 
 def _version_message(found: Any) -> str:
     return (f"unsupported schema_version {found!r}; this vegas-tune reads version "
@@ -226,10 +426,14 @@ def _field_path(loc: tuple) -> str:
 
 def _first_problem(error: ValidationError) -> str:
     first = error.errors()[0]
-    message = first["msg"]
+    loc, message = tuple(first["loc"]), first["msg"]
+    cause = (first.get("ctx") or {}).get("error")
+    if isinstance(cause, _FieldProblem):
+        # A model validator found it in a field below the model: name that field.
+        loc, message = loc + cause.loc, cause.problem
     # Our own validators' messages arrive as "Value error, ..."; the prefix adds nothing.
     message = message.removeprefix("Value error, ")
-    return f"{_field_path(first['loc'])}: {message}"
+    return f"{_field_path(loc)}: {message}"
 
 
 def profile_from_dict(data: Any, source: str = "<dict>") -> Profile:
@@ -266,28 +470,78 @@ def _yaml_problem(error: yaml.YAMLError) -> str:
     return f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
 
 
+class _RefusedYaml(Exception):
+    """A YAML construct ``read_yaml`` does not accept."""
+
+
+class _AliasFreeLoader(yaml.SafeLoader):
+    """SafeLoader that refuses anchors and aliases. An alias repeats a node without
+    copying it, so a few lines of nested aliases ("billion laughs") expand to more data
+    than memory holds once anything walks them; profiles and config files never need them."""
+
+    def compose_node(self, parent, index):
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent):
+            raise _RefusedYaml("YAML aliases (*name) are not allowed; write the values out")
+        if getattr(event, "anchor", None) is not None:
+            raise _RefusedYaml("YAML anchors (&name) are not allowed; write the values out")
+        return super().compose_node(parent, index)
+
+
+def read_yaml(text: str, source: str) -> Any:
+    """Parse one YAML document safely: the data, or ``VegasError`` with one line naming
+    ``source`` (a file name, for messages).
+
+    Refused: texts over ``MAX_YAML_BYTES``, anchors and aliases (and so merge keys),
+    nesting deeper than Python can walk, and anything that is not YAML.
+    """
+    # Characters never outnumber UTF-8 bytes, so this cheap test errs only on the safe side.
+    if len(text) > MAX_YAML_BYTES:
+        raise VegasError(_too_large(source))
+    try:
+        # Safe: the loader is a SafeLoader, which builds only plain data.
+        return yaml.load(text, Loader=_AliasFreeLoader)
+    except _RefusedYaml as error:
+        raise VegasError(f"{source}: {error}") from None
+    except yaml.YAMLError as error:
+        raise VegasError(f"{source}: not valid YAML: {_yaml_problem(error)}") from None
+    except RecursionError:
+        raise VegasError(f"{source}: not valid YAML: nested too deeply") from None
+    except ValueError as error:
+        # e.g. an integer with more digits than Python converts.
+        raise VegasError(f"{source}: not valid YAML: {error}") from None
+
+
+def _too_large(source: str) -> str:
+    return (f"{source}: too large to be a profile or config file "
+            f"(over {MAX_YAML_BYTES // 2**20} MiB)")
+
+
 def load_profile(path: str | os.PathLike) -> Profile:
     """Read and validate a profile YAML file.
 
-    Any problem (missing or unreadable file, not YAML, a schema violation, an unknown key,
-    another schema version) raises ``VegasError`` with one line naming the file and the
+    Any problem (missing, unreadable or oversized file, not YAML, YAML anchors or aliases,
+    a schema violation, an unknown key, a value that makes no sense, another schema
+    version) raises ``VegasError`` with one line naming the file and the
     first problem, e.g. ``profiles/x.yaml: invalid profile: tuned.gamma: Input should be
     greater than or equal to 1``.
     """
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        # Read one byte past the bound, not the whole file: a huge file (or /dev/zero) is
+        # refused without loading it into memory.
+        with path.open("rb") as stream:
+            raw = stream.read(MAX_YAML_BYTES + 1)
+        if len(raw) > MAX_YAML_BYTES:
+            raise VegasError(_too_large(str(path)))
+        text = raw.decode("utf-8")
     except FileNotFoundError:
         raise VegasError(f"{path}: no such profile file") from None
     except UnicodeDecodeError:
         raise VegasError(f"{path}: not a profile: the file is not UTF-8 text") from None
     except OSError as error:
         raise VegasError(f"{path}: cannot read the profile: {error.strerror or error}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as error:
-        raise VegasError(f"{path}: not valid YAML: {_yaml_problem(error)}") from None
-    return profile_from_dict(data, source=str(path))
+    return profile_from_dict(read_yaml(text, str(path)), source=str(path))
 
 
 class _ProfileDumper(yaml.SafeDumper):

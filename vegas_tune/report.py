@@ -23,16 +23,43 @@ TRIAL_COLUMNS = ("step", "number", "state", "sparsity", "gamma", "min_tokens", "
                  "tokens_per_second", "predicted_tokens_per_second")
 TABLE_FORMATS = (".csv", ".parquet")
 SPARSITY_STEP = "sparsity"
+GAMMA_STEP = "gamma"
+BASELINES_STEP = "baselines"
+# The baselines step's configurations, in table order, with the label each row gets.
+BASELINE_LABELS = {"chosen": "chosen (the tuned settings)",
+                   "vanilla": "vanilla (no speculation)",
+                   "streaming": "streaming drafter (same budget)"}
+VANILLA_CONFIG = "vanilla"
+COMPLETE = "COMPLETE"
 BEST_TRIALS_PER_STEP = 3
 # Trials are ranked by the first of these a step has: what it measured, else its proxy.
 TRIAL_RANKING = ("tokens_per_second", "mean_accepted_length", "predicted_tokens_per_second")
 # Columns of the best-trials tables, shown when the step's trials have them.
-BEST_TRIAL_COLUMNS = ("number", "sparsity", "gamma", "min_tokens", "collect", "score",
-                      "granularity", "window", "mean_accepted_length", "tokens_per_second",
-                      "predicted_tokens_per_second")
+BEST_TRIAL_COLUMNS = ("number", "config", "sparsity", "gamma", "min_tokens", "collect",
+                      "score", "granularity", "window", "mean_accepted_length",
+                      "tokens_per_second", "speedup", "predicted_tokens_per_second")
+# A measured figure's confidence interval: in trial rows and step mappings as
+# ``<name>_low`` / ``<name>_high``, in the profile's results as ``<name>_interval``.
+LOW_SUFFIX, HIGH_SUFFIX, INTERVAL_SUFFIX = "_low", "_high", "_interval"
+# Keys of a step's ``chosen`` / ``within_noise`` mapping that are measurements, not settings.
+MEASUREMENT_KEYS = ("tokens_per_second", "vanilla_tokens_per_second", "speedup",
+                    "mean_accepted_length", "rounds")
+# The profile rounds figures (tokens/s to 3 decimals): a trial's figure is the profile's
+# when it agrees within half the last decimal, or this relative tolerance.
+FIGURE_ABS_TOL = 5e-4
+FIGURE_REL_TOL = 1e-4
+# A speedup interval is judged against this: no difference from vanilla decoding.
+NO_SPEEDUP = 1.0
+# provenance.engine_path starts with this on the PyTorch reference (CPU) path.
+REFERENCE_ENGINE = "pytorch-reference"
 FIGURE_SIZE_IN = (6.4, 4.0)
 FIGURE_DPI = 120
 CHOSEN_COLOR = "tab:red"
+STEP1_COLOR = "tab:gray"
+VANILLA_COLOR = "tab:green"
+# Opacity of the vanilla interval band: visible, without hiding the points over it.
+BAND_ALPHA = 0.15
+ERRORBAR_CAPSIZE = 3
 MISSING = "n/a"
 
 
@@ -86,10 +113,13 @@ def _uniform(column):
 
 # --- Plots ---------------------------------------------------------------------------
 
-def plot_acceptance_vs_sparsity(trials: list[dict], path, chosen: float | None = None) -> Path:
-    """PNG of mean accepted length against sparsity for the sparsity step's trials.
+def acceptance_figure(trials: list[dict], tuned: dict | None = None,
+                      step1_sparsity: float | None = None):
+    """The figure ``plot_acceptance_vs_sparsity`` saves (a matplotlib ``Figure``).
 
-    ``chosen`` (the selected sparsity ratio) is marked with a vertical line.
+    Points: the sparsity step's trials. Marks: ``tuned["sparsity_ratio"]`` (the
+    profile's value) as "tuned: x", and ``step1_sparsity`` (what step 1 chose by
+    acceptance, before ``refine`` could move it) as "step 1: y"; one line when equal.
     """
     points = _series([t for t in trials if t.get("step") == SPARSITY_STEP],
                      "sparsity", "mean_accepted_length")
@@ -99,38 +129,108 @@ def plot_acceptance_vs_sparsity(trials: list[dict], path, chosen: float | None =
         axes.plot(xs, ys, "o", label="trial")
     else:
         _say_empty(axes, "no completed sparsity trials")
-    if chosen is not None:
-        axes.axvline(chosen, color=CHOSEN_COLOR, linestyle="--", label=f"chosen {chosen:g}")
+    tuned_sparsity = (tuned or {}).get("sparsity_ratio")
+    if _is_number(step1_sparsity) and step1_sparsity != tuned_sparsity:
+        axes.axvline(step1_sparsity, color=STEP1_COLOR, linestyle=":",
+                     label=f"step 1: {step1_sparsity:g}")
+    if _is_number(tuned_sparsity):
+        same = " (= step 1)" if step1_sparsity == tuned_sparsity else ""
+        axes.axvline(tuned_sparsity, color=CHOSEN_COLOR, linestyle="--",
+                     label=f"tuned{same}: {tuned_sparsity:g}")
     axes.set_xlabel("sparsity ratio (share of the context the drafter attends to)")
     axes.set_ylabel("mean accepted length (tokens per iteration)")
     axes.set_title("Acceptance vs sparsity")
-    _finish(figure, axes, path)
+    _decorate(axes)
+    return figure
+
+
+def plot_acceptance_vs_sparsity(trials: list[dict], path, tuned: dict | None = None,
+                                step1_sparsity: float | None = None) -> Path:
+    """PNG of mean accepted length against sparsity for the sparsity step's trials.
+
+    ``tuned`` is the profile's ``tuned`` mapping: its ``sparsity_ratio`` is marked
+    "tuned"; ``step1_sparsity``, step 1's choice, is marked "step 1" (see
+    ``acceptance_figure``).
+    """
+    _save(acceptance_figure(trials, tuned, step1_sparsity), path)
     return Path(path)
 
 
-def plot_throughput_vs_gamma(predictions: list[dict], path, chosen: int | None = None) -> Path:
-    """PNG of predicted (line) and measured (points) tokens/s against gamma.
+def throughput_figure(predictions: list[dict], tuned: dict | None = None,
+                      results: dict | None = None, trials: list[dict] | None = None):
+    """The figure ``plot_throughput_vs_gamma`` saves (a matplotlib ``Figure``).
 
-    Each prediction has ``gamma``, ``predicted_tokens_per_second`` and
-    ``measured_tokens_per_second`` (None where it was not measured); ``chosen`` marks
-    the selected gamma.
+    Predicted tokens/s as a line; measured tokens/s as points with error bars where an
+    interval exists (the gamma step's trial rows, else the predictions' measured values);
+    vanilla decoding's throughput from ``results`` as a horizontal line with its
+    interval as a band; ``tuned["gamma"]`` marked "tuned".
     """
     predicted = _series(predictions, "gamma", "predicted_tokens_per_second")
-    measured = _series(predictions, "gamma", "measured_tokens_per_second")
     figure, axes = _figure()
     if predicted:
         axes.plot(*zip(*predicted), "-", marker=".", label="predicted")
+    measured = _measured_by_gamma(trials or [], predictions)
     if measured:
-        axes.plot(*zip(*measured), "o", markersize=8, label="measured")
+        xs, ys, errors = zip(*measured)
+        lows, highs = zip(*errors)
+        axes.errorbar(xs, ys, yerr=[lows, highs], fmt="o", markersize=8,
+                      capsize=ERRORBAR_CAPSIZE, label="measured")
     if not predicted and not measured:
         _say_empty(axes, "no gamma predictions")
-    if chosen is not None:
-        axes.axvline(chosen, color=CHOSEN_COLOR, linestyle="--", label=f"chosen {chosen}")
+    results = results or {}
+    vanilla = results.get("vanilla_tokens_per_second")
+    if _is_number(vanilla):
+        axes.axhline(vanilla, color=VANILLA_COLOR, label=f"vanilla {vanilla:.1f} tokens/s")
+        band = _interval_of(results, "vanilla_tokens_per_second")
+        if band:
+            axes.axhspan(*band, color=VANILLA_COLOR, alpha=BAND_ALPHA,
+                         label=f"vanilla {_level(results)}interval")
+    tuned_gamma = (tuned or {}).get("gamma")
+    if _is_number(tuned_gamma):
+        axes.axvline(tuned_gamma, color=CHOSEN_COLOR, linestyle="--",
+                     label=f"tuned: {tuned_gamma}")
     axes.set_xlabel("gamma (draft tokens per iteration)")
     axes.set_ylabel("tokens/s")
     axes.set_title("Throughput vs gamma")
-    _finish(figure, axes, path)
+    _decorate(axes)
+    return figure
+
+
+def plot_throughput_vs_gamma(predictions: list[dict], path, tuned: dict | None = None,
+                             results: dict | None = None,
+                             trials: list[dict] | None = None) -> Path:
+    """PNG of predicted (line) and measured (points) tokens/s against gamma.
+
+    Each prediction has ``gamma``, ``predicted_tokens_per_second`` and
+    ``measured_tokens_per_second`` (None where it was not measured). ``tuned`` is the
+    profile's ``tuned`` mapping (its gamma is marked), ``results`` the profile's results
+    (vanilla's throughput and interval), ``trials`` the trial rows (the gamma step's
+    intervals); see ``throughput_figure``.
+    """
+    _save(throughput_figure(predictions, tuned, results, trials), path)
     return Path(path)
+
+
+def _measured_by_gamma(trials: list[dict],
+                       predictions: list[dict]) -> list[tuple[float, float, tuple]]:
+    """(gamma, tokens/s, (below, above)) of the measured gammas, error bar lengths 0
+    where no interval exists. The gamma step's trial rows carry intervals; the profile's
+    predictions only the means, so they are the fallback."""
+    rows = [t for t in trials if t.get("step") == GAMMA_STEP
+            and t.get("state", COMPLETE) == COMPLETE]
+    source, key = ((rows, "tokens_per_second")
+                   if _series(rows, "gamma", "tokens_per_second")
+                   else (predictions, "measured_tokens_per_second"))
+    points = []
+    for row in source:
+        gamma, mean = row.get("gamma"), row.get(key)
+        if not (_is_number(gamma) and _is_number(mean)):
+            continue
+        interval = _interval_of(row, "tokens_per_second")
+        below, above = (mean - interval[0], interval[1] - mean) if interval else (0.0, 0.0)
+        # An interval that misses its mean (rounding) must not give a negative bar.
+        points.append((gamma, mean, (max(below, 0.0), max(above, 0.0))))
+    return sorted(points, key=lambda point: point[0])
 
 
 def _series(rows: list[dict], x: str, y: str) -> list[tuple[float, float]]:
@@ -154,10 +254,13 @@ def _say_empty(axes, message: str) -> None:
     axes.text(0.5, 0.5, message, ha="center", va="center", transform=axes.transAxes)
 
 
-def _finish(figure, axes, path) -> None:
+def _decorate(axes) -> None:
     if axes.get_legend_handles_labels()[0]:
         axes.legend()
     axes.grid(True, alpha=0.3)
+
+
+def _save(figure, path) -> None:
     figure.tight_layout()
     _atomic_write(Path(path), lambda tmp: figure.savefig(tmp, format="png"))
 
@@ -175,13 +278,16 @@ def write_report(profile: dict, trials: list[dict], path, images: dict[str, str]
     section on what changed. Missing fields read "n/a".
     """
     path = Path(path)
+    steps = profile.get("steps") or []
     sections = [
         _title(profile),
         _summary(profile),
         _changes(profile, previous),
         _workload(profile.get("workload") or {}),
-        _steps_table(profile.get("steps") or []),
-        _predictions_tables(profile.get("steps") or []),
+        _baselines(profile, trials),
+        _steps_table(steps),
+        _within_noise(steps, profile.get("results") or {}),
+        _predictions_tables(steps),
         _best_trials(trials),
         _trial_cost(trials),
         _images(images, path.parent),
@@ -202,7 +308,7 @@ _CHANGE_FIELDS = (
     ("results.tokens_per_second", ".1f"), ("results.vanilla_tokens_per_second", ".1f"),
     ("results.streaming_tokens_per_second", ".1f"), ("results.speedup", ".2f"),
     ("results.speedup_over_streaming", ".2f"), ("results.mean_accepted_length", ".2f"),
-    ("results.selection_overhead", "percent"),
+    ("results.selection_overhead", "percent"), ("results.rounds", None),
     ("provenance.engine_path", None), ("provenance.git_revision", None),
     ("hardware.torch", None), ("hardware.triton", None),
 )
@@ -263,27 +369,64 @@ def _gpu_label(hardware: dict) -> str:
 
 
 def _summary(profile: dict) -> str:
+    """The verdict first (with, when not recommended, why in plain words), then the
+    headline figures, each with its interval where the profile has one."""
     results = profile.get("results") or {}
     tuned = profile.get("tuned") or {}
-    speed = (f"{_num(results.get('tokens_per_second'), '.1f')} tokens/s vs "
-             f"{_num(results.get('vanilla_tokens_per_second'), '.1f')} vanilla "
-             f"({_speedup(results.get('speedup'))}) and "
-             f"{_num(results.get('streaming_tokens_per_second'), '.1f')} streaming "
-             f"({_speedup(results.get('speedup_over_streaming'))})")
-    if not profile.get("recommended"):
-        return ("**Not recommended: no configuration beat vanilla decoding** for this model, "
-                f"hardware and workload; keep vanilla decoding. Best found: {speed}.")
-    lines = [f"**Recommended**: {_pairs(tuned)}.",
-             "",
-             f"- Throughput: {speed}.",
-             f"- Mean accepted length: {_num(results.get('mean_accepted_length'), '.2f')} "
-             "tokens per iteration.",
-             f"- Selection overhead: {_percent(results.get('selection_overhead'))} of decode time."]
+    if profile.get("recommended"):
+        lines = [f"**Recommended**: {_pairs(tuned)}."]
+    else:
+        lines = ["**Not recommended: keep vanilla decoding** for this model, hardware and "
+                 f"workload. {_why_not_recommended(profile)}",
+                 "",
+                 f"Best found: {_pairs(tuned)}."]
+    lines += ["",
+              f"- Speedup: {_mean_interval(results, 'speedup', '.2f', 'x')} over vanilla"
+              f"{_interval_note(results)}; "
+              f"{_mean_interval(results, 'speedup_over_streaming', '.2f', 'x')} over streaming.",
+              f"- Throughput: {_mean_interval(results, 'tokens_per_second', '.1f')} tokens/s vs "
+              f"{_mean_interval(results, 'vanilla_tokens_per_second', '.1f')} vanilla and "
+              f"{_mean_interval(results, 'streaming_tokens_per_second', '.1f')} streaming.",
+              f"- Mean accepted length: {_num(results.get('mean_accepted_length'), '.2f')} "
+              "tokens per iteration.",
+              f"- Selection overhead: {_percent(results.get('selection_overhead'))} of decode time."]
     by_position = results.get("acceptance_by_position")
     if by_position:
         lines.append("- Acceptance by draft position: "
                      + ", ".join(_num(rate, ".2f") for rate in by_position) + ".")
     return "\n".join(lines)
+
+
+def _why_not_recommended(profile: dict) -> str:
+    """Plain sentences saying why a profile is not recommended: what the speedup's
+    interval shows, and, on the PyTorch reference path, why no speedup could show."""
+    results = profile.get("results") or {}
+    interval = _interval_of(results, "speedup")
+    speedup = _mean_interval(results, "speedup", ".2f", "x")
+    level = _level(results)
+    if interval and interval[1] < NO_SPEEDUP:
+        why = (f"Speculation is slower here: it ran at {speedup} vanilla decoding's "
+               f"throughput, and the whole {level}interval lies below 1.")
+    elif interval and interval[0] <= NO_SPEEDUP:
+        why = (f"No measurable difference: the speedup over vanilla decoding, {speedup}, has "
+               f"a {level}interval that contains 1, so the two are within noise of each "
+               "other here.")
+    elif interval:
+        why = (f"The speedup over vanilla decoding measured {speedup}, yet the profile is "
+               "marked not recommended.")
+    elif _is_number(results.get("speedup")) and results["speedup"] < NO_SPEEDUP:
+        why = f"Speculation is slower here: it ran at {speedup} vanilla decoding's throughput."
+    else:
+        why = f"No configuration beat vanilla decoding measurably ({speedup})."
+    engine = str((profile.get("provenance") or {}).get("engine_path") or "")
+    if engine.startswith(REFERENCE_ENGINE):
+        why += (" This run measured on the PyTorch reference path (the CPU path), where the "
+                "draft's sparse attention is a masked full attention: it reads every K/V "
+                "entry, as vanilla decoding does, so speculation cannot show a speedup there "
+                "by construction. The profile still records acceptance (mean accepted length "
+                f"{_num(results.get('mean_accepted_length'), '.2f')}, acceptance by draft "
+                "position), which carries over to a GPU: tune on one for throughput.")
+    return why
 
 
 def _workload(workload: dict) -> str:
@@ -292,12 +435,106 @@ def _workload(workload: dict) -> str:
     return "## Workload\n\n" + _pairs(workload) + "."
 
 
+def _baselines(profile: dict, trials: list[dict]) -> str:
+    """The final measurement: the chosen settings, vanilla and streaming, each row
+    labelled, each figure with its interval."""
+    rows = _baseline_rows(profile, trials)
+    if not rows:
+        return ""
+    table = []
+    for config, row in rows.items():
+        speedup = _mean_interval(row, "speedup", ".2f", "x")
+        if config == VANILLA_CONFIG and speedup == MISSING:
+            speedup = "1.00x (reference)"  # vanilla over itself, by definition
+        table.append([_cell(BASELINE_LABELS.get(config, config)),
+                      _mean_interval(row, "tokens_per_second", ".1f"), speedup,
+                      _num(row.get("mean_accepted_length"), ".2f"), _cell(row.get("rounds"))])
+    results = profile.get("results") or {}
+    intro = (f"Mean [low, high] ({_level(results)}interval) over interleaved rounds: each "
+             "round measures the three configurations one after another, so drift between "
+             "rounds affects all of them alike.")
+    return ("## Baselines\n\n" + intro + "\n\n"
+            + _table(["configuration", "tokens/s", "speedup vs vanilla",
+                      "mean accepted length", "rounds"], table))
+
+
+def _baseline_rows(profile: dict, trials: list[dict]) -> dict[str, dict]:
+    """config -> measurement, in ``BASELINE_LABELS`` order: the rows of the baselines
+    trial behind the profile's results, else the profile's results themselves.
+
+    One baselines trial gives one row per config. The study may also hold trials of an
+    earlier run's choice; the one whose chosen throughput is the profile's is taken, else
+    the latest.
+    """
+    results = profile.get("results") or {}
+    by_trial: dict[object, dict[str, dict]] = {}
+    for row in trials:
+        if (row.get("step") == BASELINES_STEP and row.get("config")
+                and row.get("state", COMPLETE) == COMPLETE):
+            by_trial.setdefault(row.get("number"), {})[str(row["config"])] = row
+    found: dict[str, dict] = {}
+    if by_trial:
+        latest = by_trial[max(by_trial, key=lambda number: number or 0)]
+        found = next((rows for rows in by_trial.values()
+                      if _same_figure((rows.get("chosen") or {}).get("tokens_per_second"),
+                                      results.get("tokens_per_second"))), latest)
+    if not found and _is_number(results.get("tokens_per_second")):
+        found = {"chosen": {**_renamed(results, "tokens_per_second", "tokens_per_second"),
+                            **_renamed(results, "speedup", "speedup"),
+                            "mean_accepted_length": results.get("mean_accepted_length"),
+                            "rounds": results.get("rounds")}}
+        for config in ("vanilla", "streaming"):
+            found[config] = {**_renamed(results, f"{config}_tokens_per_second",
+                                        "tokens_per_second"),
+                             "rounds": results.get("rounds")}
+    order = list(BASELINE_LABELS)
+    return dict(sorted(found.items(),
+                       key=lambda item: order.index(item[0]) if item[0] in order else len(order)))
+
+
+def _same_figure(measured, written) -> bool:
+    """Whether ``written`` (a profile figure, rounded) is ``measured`` (a trial's)."""
+    return (_is_number(measured) and _is_number(written)
+            and math.isclose(measured, written, rel_tol=FIGURE_REL_TOL,
+                             abs_tol=FIGURE_ABS_TOL))
+
+
+def _renamed(values: dict, name: str, new_name: str) -> dict:
+    """``values[name]`` and its interval under ``new_name``."""
+    return {new_name: values.get(name),
+            new_name + INTERVAL_SUFFIX: values.get(name + INTERVAL_SUFFIX)}
+
+
 def _steps_table(steps: list[dict]) -> str:
     if not steps:
         return ""
     rows = [[_cell(step.get("name", MISSING)), _cell(step.get("trials")),
-             _pairs(step.get("chosen") or {}), _cell(step.get("notes") or "")] for step in steps]
+             _measured_pairs(step.get("chosen") or {}), _cell(step.get("notes") or "")]
+            for step in steps]
     return "## Steps\n\n" + _table(["step", "trials", "chosen", "notes"], rows)
+
+
+def _within_noise(steps: list[dict], results: dict) -> str:
+    """Each step's choice beside the configurations it could not tell apart from it."""
+    rows = []
+    for step in steps:
+        alternatives = step.get("within_noise") or []
+        if not alternatives:
+            continue
+        name = _cell(step.get("name", MISSING))
+        for values, mark in [(step.get("chosen") or {}, " (chosen)"),
+                             *((alternative, "") for alternative in alternatives)]:
+            rows.append([name, _settings(values) + mark,
+                         _mean_interval(values, "speedup", ".2f", "x"),
+                         _mean_interval(values, "tokens_per_second", ".1f")])
+    if not rows:
+        return ""
+    intro = (f"These measured configurations have a speedup whose {_level(results)}interval "
+             "overlaps the chosen one's: the tuner could not tell them apart, so it chose "
+             "the cheapest of them (smaller gamma, then smaller sparsity, then window 0 and "
+             "score logit).")
+    return ("## Within noise\n\n" + intro + "\n\n"
+            + _table(["step", "configuration", "speedup vs vanilla", "tokens/s"], rows))
 
 
 def _predictions_tables(steps: list[dict]) -> str:
@@ -307,17 +544,21 @@ def _predictions_tables(steps: list[dict]) -> str:
         if not predictions:
             continue
         rows = [[_cell(p.get("gamma")), _num(p.get("predicted_tokens_per_second"), ".1f"),
-                 _num(p.get("measured_tokens_per_second"), ".1f")]
+                 _num(p.get("measured_tokens_per_second"), ".1f"),
+                 _mean_interval(p, "measured_speedup", ".2f", "x")]
                 for p in sorted(predictions, key=lambda p: p.get("gamma") or 0)]
         tables.append(f"## Throughput by gamma ({step.get('name', MISSING)} step)\n\n"
-                      + _table(["gamma", "predicted tokens/s", "measured tokens/s"], rows))
+                      + _table(["gamma", "predicted tokens/s", "measured tokens/s",
+                                "measured speedup"], rows))
     return "\n\n".join(tables)
 
 
 def _best_trials(trials: list[dict]) -> str:
     by_step: dict[str, list[dict]] = {}
     for trial in trials:
-        by_step.setdefault(str(trial.get("step", MISSING)), []).append(trial)
+        # The baselines step is not a search: its rows are the Baselines table.
+        if trial.get("step") != BASELINES_STEP:
+            by_step.setdefault(str(trial.get("step", MISSING)), []).append(trial)
     tables = []
     for step, step_trials in by_step.items():
         metric = next((m for m in TRIAL_RANKING
@@ -327,7 +568,7 @@ def _best_trials(trials: list[dict]) -> str:
         ranked = sorted((t for t in step_trials if _is_number(t.get(metric))),
                         key=lambda t: t[metric], reverse=True)[:BEST_TRIALS_PER_STEP]
         columns = [c for c in BEST_TRIAL_COLUMNS if any(not _is_missing(t.get(c)) for t in ranked)]
-        rows = [[_cell(t.get(c)) for c in columns] for t in ranked]
+        rows = [[_cell_with_interval(t, c) for c in columns] for t in ranked]
         tables.append(f"### {step} (by {metric.replace('_', ' ')})\n\n"
                       + _table([c.replace("_", " ") for c in columns], rows))
     return "## Best trials\n\n" + "\n\n".join(tables) if tables else ""
@@ -411,10 +652,6 @@ def _num(value, spec: str) -> str:
     return format(value, spec) if _is_number(value) else MISSING
 
 
-def _speedup(value) -> str:
-    return f"{value:.2f}x" if _is_number(value) else MISSING
-
-
 def _percent(fraction) -> str:
     return f"{100 * fraction:.1f}%" if _is_number(fraction) else MISSING
 
@@ -444,6 +681,70 @@ def _cell(value) -> str:
 
 def _pairs(values: dict) -> str:
     return ", ".join(f"{key}={_cell(value)}" for key, value in values.items()) or MISSING
+
+
+def _interval_of(values: dict, name: str) -> tuple[float, float] | None:
+    """(low, high) of ``name``: ``<name>_interval: [low, high]`` (profile results,
+    predictions) or ``<name>_low`` and ``<name>_high`` (trial rows, step mappings)."""
+    pair = values.get(name + INTERVAL_SUFFIX)
+    if not (isinstance(pair, (list, tuple)) and len(pair) == 2):
+        pair = (values.get(name + LOW_SUFFIX), values.get(name + HIGH_SUFFIX))
+    low, high = pair
+    return (low, high) if _is_number(low) and _is_number(high) else None
+
+
+def _mean_interval(values: dict, name: str, spec: str, unit: str = "") -> str:
+    """``values[name]`` as "mean [low, high]", e.g. ``1.42x [1.38, 1.46]``; the mean
+    alone where there is no interval."""
+    mean = values.get(name)
+    if not _is_number(mean):
+        return MISSING
+    interval = _interval_of(values, name)
+    text = f"{mean:{spec}}{unit}"
+    return text + (f" [{interval[0]:{spec}}, {interval[1]:{spec}}]" if interval else "")
+
+
+def _level(results: dict) -> str:
+    """The confidence level with a trailing space, "95% ", or "" when unknown."""
+    confidence = results.get("confidence")
+    return f"{confidence:.0%} " if _is_number(confidence) else ""
+
+
+def _interval_note(results: dict) -> str:
+    """" (95% interval, 5 rounds)" from the results, or "" when they say neither."""
+    parts = []
+    if _is_number(results.get("confidence")):
+        parts.append(f"{_level(results)}interval")
+    rounds = results.get("rounds")
+    if _is_number(rounds):
+        parts.append(f"{rounds} round" + ("" if rounds == 1 else "s"))
+    return f" ({', '.join(parts)})" if parts else ""
+
+
+def _is_bound(key: str, values: dict) -> bool:
+    """Whether ``key`` is the interval of another key of ``values`` (``speedup_low``)."""
+    return any(key.endswith(suffix) and key[:-len(suffix)] in values
+               for suffix in (LOW_SUFFIX, HIGH_SUFFIX, INTERVAL_SUFFIX))
+
+
+def _cell_with_interval(values: dict, key: str) -> str:
+    """A table cell of ``values[key]``, with its interval where ``values`` has one."""
+    interval = _interval_of(values, key)
+    if interval is None or not _is_number(values.get(key)):
+        return _cell(values.get(key))
+    return f"{_cell(values[key])} [{_cell(interval[0])}, {_cell(interval[1])}]"
+
+
+def _measured_pairs(values: dict) -> str:
+    """``key=value`` pairs, each interval folded into its value: ``speedup=1.42 [1.38, 1.46]``."""
+    return ", ".join(f"{key}={_cell_with_interval(values, key)}" for key in values
+                     if not _is_bound(key, values)) or MISSING
+
+
+def _settings(values: dict) -> str:
+    """The settings of a step mapping, its measurements left out."""
+    return _pairs({key: value for key, value in values.items()
+                   if key not in MEASUREMENT_KEYS and not _is_bound(key, values)})
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:

@@ -8,13 +8,18 @@ import torch
 
 from vegas_core.config import ModelConfig
 from vegas_core.errors import VegasError
+from vegas_core.loading.memory import check_model_fits
 from vegas_core.model import Transformer, packed_projections, rope_inverse_frequencies
 
 # Matches the initializer range of the public configs; only dummy models use it.
 DUMMY_INIT_STD = 0.02
 
 
-def _empty_transformer(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> Transformer:
+def _empty_transformer(config: ModelConfig, device: torch.device, dtype: torch.dtype, *,
+                       staging: bool) -> Transformer:
+    # Refused before anything is allocated: a model bigger than the free memory would be
+    # killed by the kernel without a message. ``staging``: weights come from a file.
+    check_model_fits(config, device, dtype, staging=staging)
     # Built on the meta device and allocated once in the target dtype, so an 8B dummy on
     # a GPU never exists as a float32 copy on the host.
     with torch.device("meta"):
@@ -39,7 +44,7 @@ def build_with_weights(
     Names follow the Hugging Face layout without the ``model.`` prefix. Every parameter
     must be filled exactly; a tied ``lm_head`` may be absent.
     """
-    net = _empty_transformer(config, device, dtype)
+    net = _empty_transformer(config, device, dtype, staging=True)
     params = dict(net.named_parameters(remove_duplicate=False))
     # Expected names: the model's own, with packed projections split back into the
     # checkpoint's pieces, each a block of rows of its packed parameter.
@@ -88,7 +93,7 @@ def build_with_weights(
 def build_random(config: ModelConfig, *, device: torch.device, dtype: torch.dtype,
                  seed: int = 0) -> Transformer:
     """Random weights of the config's exact shape (norm weights one), for timing."""
-    net = _empty_transformer(config, device, dtype)
+    net = _empty_transformer(config, device, dtype, staging=False)
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, p in net.named_parameters():

@@ -1,0 +1,414 @@
+"""`vegas-tune validate` checks meaning, not only types; `export` is honest about profiles
+that are not recommended; YAML anchors, aliases and oversized files are refused."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import time
+
+import pytest
+import yaml
+
+from tests.test_profile import MODEL_ID, sample_profile_dict
+from vegas_core.errors import VegasError
+from vegas_core.spec_config import MAX_GAMMA, SpecConfig
+from vegas_tune import cli
+from vegas_tune.export import build_exports, render_export, vllm_speculative_config
+from vegas_tune.profile import (MAX_YAML_BYTES, Tuned, profile_from_dict, profile_to_dict,
+                                read_yaml)
+
+# Alias-bomb depth and fan-out: 9 levels of 9 aliases each stand for 9**9 (387 million)
+# strings once anything walks them.
+BOMB_LEVELS = 9
+BOMB_FANOUT = 9
+# Refusing the bomb must take well under this, where expanding it would take minutes.
+BOMB_SECONDS = 5.0
+
+
+def run(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    out = capsys.readouterr()
+    return exit_info.value.code, out.out, out.err
+
+
+def write(tmp_path, data, name="p.yaml"):
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def at(data, loc):
+    """The container holding ``loc``'s last key, and that key."""
+    for key in loc[:-1]:
+        data = data[key]
+    return data, loc[-1]
+
+
+def with_gamma(data: dict, gamma: int) -> dict:
+    """``data`` with tuned.gamma changed consistently: acceptance and exports follow."""
+    data["tuned"]["gamma"] = gamma
+    data["results"]["acceptance_by_position"] = [0.5] * gamma
+    data["results"]["mean_accepted_length"] = min(data["results"]["mean_accepted_length"],
+                                                  gamma + 1)
+    # model_construct skips validation, so out-of-range gammas still get their exports.
+    data["exports"] = build_exports(MODEL_ID, Tuned.model_construct(**data["tuned"])).model_dump()
+    return data
+
+
+def not_recommended_dict() -> dict:
+    data = sample_profile_dict()
+    data["recommended"] = False
+    data["results"].update(speedup=0.38, speedup_interval=[0.35, 0.41])
+    return data
+
+
+# --- rules, each through `validate` --------------------------------------------------
+
+NAN, INF = float("nan"), float("inf")
+
+# (field location, bad value, expected "<field path>: <problem>" fragment)
+BAD_VALUES = [
+    # strict types: no silent coercion
+    (("tuned", "gamma"), "1", "tuned.gamma: Input should be a valid integer"),
+    (("tuned", "gamma"), 6.0, "tuned.gamma: Input should be a valid integer"),
+    (("recommended",), "yes", "recommended: Input should be a valid boolean"),
+    (("workload", "temperature"), True, "workload.temperature: Input should be a valid number"),
+    (("results", "tokens_per_second"), "61.4", "results.tokens_per_second: Input should be"),
+    (("model", "dummy"), 0, "model.dummy: Input should be a valid boolean"),
+    # finite floats everywhere
+    (("results", "tokens_per_second"), NAN, "results.tokens_per_second: Input should be a finite"),
+    (("hardware", "gpu_memory_gb"), INF, "hardware.gpu_memory_gb: Input should be a finite"),
+    (("steps", 0, "chosen", "window"), NAN, "steps[0].chosen.window: expected a finite number"),
+    (("steps", 1, "within_noise", 0, "speedup"), -INF,
+     "steps[1].within_noise[0].speedup: expected a finite number"),
+    (("steps", 2, "predictions", 0, "predicted_tokens_per_second"), NAN,
+     "steps[2].predictions[0].predicted_tokens_per_second: Input should be a finite"),
+    (("results", "speedup_interval"), [2.05, INF], "results.speedup_interval[1]: Input should be a finite"),
+    (("exports", "vllm", "serve_config", "max-model-len"), NAN,
+     "exports.vllm.serve_config.max-model-len: expected a finite number"),
+    (("steps", 0, "chosen", "window"), True, "steps[0].chosen.window: expected a number or a string"),
+    # tuned values within the engine's limits
+    (("tuned", "drafter"), "nonsense", "tuned.drafter: unknown value 'nonsense'; choose one of: vegas"),
+    (("tuned", "gamma"), 100000, f"tuned.gamma: Input should be less than or equal to {MAX_GAMMA}"),
+    (("tuned", "gamma"), 0, "tuned.gamma: Input should be greater than or equal to 1"),
+    (("tuned", "sparsity_ratio"), 0.0, "tuned.sparsity_ratio: Input should be greater than 0"),
+    (("tuned", "sparsity_ratio"), 1.5, "tuned.sparsity_ratio: Input should be less than or equal to 1"),
+    (("tuned", "window"), 0.8, "tuned.window: Input should be less than or equal to 0.75"),
+    (("tuned", "window"), -0.1, "tuned.window: Input should be greater than or equal to 0"),
+    (("tuned", "min_tokens"), 0, "tuned.min_tokens: Input should be greater than or equal to 1"),
+    (("tuned", "collect"), "first", "tuned.collect: unknown value 'first'; choose one of: two, all, last"),
+    (("tuned", "score"), "cosine", "tuned.score: unknown value 'cosine'"),
+    (("tuned", "granularity"), "head", "tuned.granularity: unknown value 'head'"),
+    # workload numbers
+    (("workload", "ctx"), 0, "workload.ctx: Input should be greater than or equal to 1"),
+    (("workload", "batch_size"), -1, "workload.batch_size: Input should be greater than or equal to 1"),
+    (("workload", "max_new_tokens"), 0, "workload.max_new_tokens: Input should be greater"),
+    (("workload", "num_prompts"), 0, "workload.num_prompts: Input should be greater"),
+    (("workload", "temperature"), -0.5, "workload.temperature: Input should be greater than or equal to 0"),
+    # results
+    (("results", "vanilla_tokens_per_second"), 0.0,
+     "results.vanilla_tokens_per_second: Input should be greater than 0"),
+    (("results", "speedup_interval"), [2.05, 2.12, 2.19],
+     "results.speedup_interval: expected exactly two numbers [low, high], got 3"),
+    (("results", "speedup_interval"), [2.2, 2.3],
+     "results.speedup_interval: [2.2, 2.3] does not contain speedup 2.12"),
+    (("results", "tokens_per_second_interval"), [62.6, 60.2],
+     "results.tokens_per_second_interval: [62.6, 60.2] does not contain tokens_per_second"),
+    (("results", "acceptance_by_position"), [0.9] * 5,
+     "results.acceptance_by_position: has 5 entries; expected one per draft position, "
+     "tuned.gamma = 6"),
+    (("results", "acceptance_by_position"), [0.9] * 5 + [1.2],
+     "results.acceptance_by_position[5]: Input should be less than or equal to 1"),
+    (("results", "mean_accepted_length"), 0.5,
+     "results.mean_accepted_length: Input should be greater than or equal to 1"),
+    (("results", "mean_accepted_length"), 7.5,
+     "results.mean_accepted_length: 7.5 exceeds tuned.gamma + 1 = 7"),
+    (("results", "selection_overhead"), 1.5, "results.selection_overhead: Input should be less"),
+    (("results", "rounds"), 0, "results.rounds: Input should be greater than or equal to 1"),
+    (("results", "confidence"), 1.0, "results.confidence: Input should be less than 1"),
+    (("results", "confidence"), 0, "results.confidence: Input should be greater than 0"),
+    (("steps", 2, "predictions", 1, "measured_speedup_interval"), [1.0, 2.0],
+     "steps[2].predictions[1].measured_speedup_interval: [1, 2] does not contain "
+     "measured_speedup 2.12"),
+    (("steps", 2, "predictions", 1, "measured_speedup"), None,
+     "steps[2].predictions[1].measured_speedup_interval: given without measured_speedup"),
+    # the recommendation needs the whole speedup interval above 1
+    (("results", "speedup_interval"), [0.98, 2.19],
+     "recommended: true, but the speedup interval [0.98, 2.19] does not lie wholly above 1"),
+    # exports derived from tuned
+    (("exports", "vegas", "window"), 0.0,
+     "exports.vegas.window: 0.0 contradicts tuned, which gives 0.125"),
+    (("exports", "vegas", "extra"), 1, "exports.vegas.extra: not derived from tuned"),
+    (("exports", "vllm", "serve_config", "speculative-config", "sparse_attn_ratio"), 0.5,
+     "exports.vllm.serve_config.speculative-config.sparse_attn_ratio: 0.5 contradicts tuned, "
+     "which gives 0.05"),
+    (("exports", "vllm", "serve_config", "speculative-config"), None,
+     "exports.vllm.serve_config.speculative-config: expected the speculative config mapping"),
+    (("exports", "vllm", "speculative_config_json"), '{"method": "sparse_attn"}',
+     "exports.vllm.speculative_config_json: key 'num_speculative_tokens': missing"),
+    (("exports", "vllm", "speculative_config_json"), "{not json",
+     "exports.vllm.speculative_config_json: not valid JSON"),
+]
+
+
+@pytest.mark.parametrize("loc, value, expected", BAD_VALUES,
+                         ids=[f"{'.'.join(map(str, loc))}={value!r}" for loc, value, _ in BAD_VALUES])
+def test_validate_refuses_with_one_line_naming_the_field(tmp_path, capsys, loc, value, expected):
+    data = sample_profile_dict()
+    container, key = at(data, loc)
+    container[key] = value
+    path = write(tmp_path, data)
+    code, stdout, stderr = run(["validate", str(path)], capsys)
+    assert code == 2 and stdout == ""
+    assert stderr.count("\n") == 1, stderr
+    assert stderr.startswith(f"error: {path}: invalid profile: {expected}"), stderr
+
+
+def test_exports_contradicting_tuned_gamma_are_refused(tmp_path, capsys):
+    data = with_gamma(sample_profile_dict(), 7)
+    assert profile_from_dict(copy.deepcopy(data)).tuned.gamma == 7  # consistent: valid
+    data["exports"]["vegas"]["gamma"] = 1
+    code, _, stderr = run(["validate", str(write(tmp_path, data))], capsys)
+    assert code == 2
+    assert "invalid profile: exports.vegas.gamma: 1 contradicts tuned, which gives 7" in stderr
+
+
+def test_speculative_json_contradicting_tuned_is_refused():
+    data = with_gamma(sample_profile_dict(), 7)
+    stale = vllm_speculative_config(Tuned(**{**data["tuned"], "gamma": 1}))
+    data["exports"]["vllm"]["speculative_config_json"] = json.dumps(stale)
+    with pytest.raises(VegasError) as error:
+        profile_from_dict(data, source="mem")
+    assert str(error.value) == (
+        "mem: invalid profile: exports.vllm.speculative_config_json: key "
+        "'num_speculative_tokens': 1 contradicts tuned, which gives 7; exports must be "
+        "derived from tuned (re-run the tuner, or fix the value)")
+
+
+@pytest.mark.parametrize("loc, value", [
+    (("workload", "temperature"), 0),  # users write 0, not 0.0
+    (("tuned", "window"), 0),
+    (("results", "tokens_per_second_interval"), [60, 63]),
+    (("results", "speedup_interval"), [2.05, 2.12 * (1 - 1e-9)]),  # a rounded end
+    (("results", "acceptance_by_position"), [1, 1, 1, 0, 0, 0]),
+    (("recommended",), False),  # not recommending is always allowed
+])
+def test_sensible_values_are_accepted(tmp_path, capsys, loc, value):
+    data = sample_profile_dict()
+    container, key = at(data, loc)
+    container[key] = value
+    if loc[0] == "tuned":
+        data = with_gamma(data, data["tuned"]["gamma"])  # rebuild the exports
+    code, stdout, stderr = run(["validate", str(write(tmp_path, data))], capsys)
+    assert code == 0, stderr
+    assert stdout.count("\n") == 1 and ": valid (schema 2;" in stdout
+
+
+def test_ints_stay_floats_where_floats_are_expected():
+    data = sample_profile_dict()
+    data["workload"]["temperature"] = 0
+    profile = profile_from_dict(data)
+    assert type(profile.workload.temperature) is float
+
+
+def test_engine_and_profile_share_the_gamma_limit():
+    SpecConfig(gamma=MAX_GAMMA)
+    with pytest.raises(VegasError, match=f"between 1 and {MAX_GAMMA}"):
+        SpecConfig(gamma=MAX_GAMMA + 1)
+    assert profile_from_dict(with_gamma(sample_profile_dict(), MAX_GAMMA)).tuned.gamma == MAX_GAMMA
+    with pytest.raises(VegasError, match="tuned.gamma: Input should be less than or equal"):
+        profile_from_dict(with_gamma(sample_profile_dict(), MAX_GAMMA + 1))
+
+
+def test_tuner_built_profiles_get_the_same_checks():
+    """profile_from_dict is what the tuner calls before writing: the rules apply there."""
+    data = sample_profile_dict()
+    data["results"]["speedup"] = math.nan
+    with pytest.raises(VegasError, match="<dict>: invalid profile: results.speedup: "):
+        profile_from_dict(data)
+    # The tuner may hand intervals over as tuples.
+    data = sample_profile_dict()
+    data["results"]["speedup_interval"] = (2.05, 2.19)
+    assert profile_from_dict(data).results.speedup_interval == [2.05, 2.19]
+
+
+# --- YAML that must not be parsed ----------------------------------------------------
+
+def test_aliases_are_refused_even_when_harmless(tmp_path, capsys):
+    text = yaml.safe_dump(sample_profile_dict(), sort_keys=False)
+    text = text.replace("speedup_interval:\n  - 2.05\n  - 2.19\n",
+                        "speedup_interval: &s\n  - 2.05\n  - 2.19\n", 1)
+    assert "&s" in text
+    text = text.replace("measured_speedup_interval:\n    - 2.05\n    - 2.19\n",
+                        "measured_speedup_interval: *s\n", 1)
+    assert "*s" in text
+    path = tmp_path / "alias.yaml"
+    path.write_text(text)
+    assert profile_from_dict(yaml.safe_load(text)).results.speedup == 2.12  # it is valid data
+    code, _, stderr = run(["validate", str(path)], capsys)
+    assert code == 2 and stderr.count("\n") == 1
+    # The anchor comes first in the file, so it is what the one line names.
+    assert f"{path}: YAML anchors (&name) are not allowed; write the values out" in stderr
+
+
+def billion_laughs() -> str:
+    lines = ['a0: &a0 "lol"']
+    for level in range(1, BOMB_LEVELS + 1):
+        items = ", ".join([f"*a{level - 1}"] * BOMB_FANOUT)
+        lines.append(f"a{level}: &a{level} [{items}]")
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("argv", [["validate"], ["show", "--json"], ["export"],
+                                  ["export", "--target", "vegas", "--format", "json"]])
+def test_alias_bomb_is_refused_quickly(tmp_path, capsys, argv):
+    data = sample_profile_dict()
+    text = yaml.safe_dump(data, sort_keys=False) + billion_laughs()
+    path = tmp_path / "bomb.yaml"
+    path.write_text(text)
+    started = time.monotonic()
+    code, stdout, stderr = run([*argv, str(path)], capsys)
+    assert time.monotonic() - started < BOMB_SECONDS
+    assert code == 2 and stdout == "" and stderr.count("\n") == 1
+    assert "aliases" in stderr or "anchors" in stderr
+
+
+def test_alias_bomb_is_refused_by_diff(tmp_path, capsys):
+    good = write(tmp_path, sample_profile_dict(), "good.yaml")
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text(yaml.safe_dump(sample_profile_dict()) + billion_laughs())
+    code, _, stderr = run(["diff", str(good), str(bomb)], capsys)
+    assert code == 2 and "bomb.yaml" in stderr and stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("base: &b {x: 1}\n", "YAML anchors (&name) are not allowed"),
+    ("base: {x: 1}\nmore:\n  <<: *b\n", "YAML aliases (*name) are not allowed"),
+    ("[" * 100_000, "not valid YAML"),  # deeper than the composer can recurse
+    ("n: " + "9" * 100_000 + "\n", "not valid YAML"),  # more digits than int() converts
+    ("a: [1,\n", "not valid YAML: line"),
+])
+def test_read_yaml_refusals_are_one_line(text, fragment):
+    with pytest.raises(VegasError) as error:
+        read_yaml(text, "c.yaml")
+    message = str(error.value)
+    assert message.startswith("c.yaml: ") and fragment in message and "\n" not in message
+
+
+def test_read_yaml_returns_plain_data():
+    assert read_yaml("ctx: 8k\nnum-prompts: 3\nseed: 5\n", "c.yaml") == \
+        {"ctx": "8k", "num-prompts": 3, "seed": 5}
+    assert read_yaml("", "c.yaml") is None
+
+
+def test_oversized_text_and_file_are_refused_before_parsing(tmp_path, capsys):
+    huge = "# padding\n" * (MAX_YAML_BYTES // 10 + 1)
+    with pytest.raises(VegasError, match="c.yaml: too large"):
+        read_yaml(huge, "c.yaml")
+    path = tmp_path / "huge.yaml"
+    path.write_text(yaml.safe_dump(sample_profile_dict()) + huge)
+    code, _, stderr = run(["validate", str(path)], capsys)
+    assert code == 2 and f"{path}: too large" in stderr and stderr.count("\n") == 1
+
+
+# --- export of a profile that is not recommended -------------------------------------
+
+WARNING = ("is not recommended (speedup 0.38x, interval [0.35, 0.41]): exporting vanilla "
+           "decoding; pass --force to export the tuned settings")
+
+
+def test_not_recommended_vllm_export_is_vanilla_with_one_warning(tmp_path, capsys):
+    path = write(tmp_path, not_recommended_dict())
+    code, stdout, stderr = run(["export", str(path), "--target", "vllm"], capsys)
+    assert code == 0
+    assert yaml.safe_load(stdout) == {"model": MODEL_ID}
+    assert "speculative" not in yaml.safe_load(stdout)
+    assert stderr == f"warning: {path} {WARNING}\n"
+
+
+@pytest.mark.parametrize("target, fmt", [("vllm", "json"), ("vegas", "json"), ("vegas", "yaml")])
+def test_not_recommended_export_is_null_where_there_is_no_serve_config(tmp_path, capsys,
+                                                                       target, fmt):
+    path = write(tmp_path, not_recommended_dict())
+    code, stdout, stderr = run(["export", str(path), "--target", target, "--format", fmt],
+                               capsys)
+    assert code == 0 and stderr.count("\n") == 1 and "warning:" in stderr
+    parse = json.loads if fmt == "json" else yaml.safe_load
+    assert parse(stdout) is None
+
+
+@pytest.mark.parametrize("target, key", [("vllm", "speculative-config"), ("vegas", "gamma")])
+def test_force_exports_the_tuned_settings_with_a_note(tmp_path, capsys, target, key):
+    path = write(tmp_path, not_recommended_dict())
+    code, stdout, stderr = run(["export", str(path), "--target", target, "--force"], capsys)
+    assert code == 0 and key in yaml.safe_load(stdout)
+    assert stderr.count("\n") == 1
+    assert stderr.startswith(f"note: {path} is not recommended (speedup 0.38x")
+    assert "--force" in stderr
+
+
+def test_export_to_a_file_is_vanilla_too(tmp_path, capsys):
+    path = write(tmp_path, not_recommended_dict())
+    out = tmp_path / "serve.yaml"
+    code, stdout, stderr = run(["export", str(path), "--out", str(out)], capsys)
+    assert code == 0 and stdout == ""
+    assert yaml.safe_load(out.read_text()) == {"model": MODEL_ID}
+    assert "warning:" in stderr
+
+
+def test_recommended_export_prints_no_warning(tmp_path, capsys):
+    path = write(tmp_path, sample_profile_dict())
+    code, stdout, stderr = run(["export", str(path)], capsys)
+    assert code == 0 and stderr == ""
+    assert yaml.safe_load(stdout)["speculative-config"]["num_speculative_tokens"] == 6
+
+
+def test_render_export_force_parameter():
+    profile = profile_from_dict(not_recommended_dict())
+    assert yaml.safe_load(render_export(profile, "vllm", "yaml")) == {"model": MODEL_ID}
+    forced = yaml.safe_load(render_export(profile, "vllm", "yaml", force=True))
+    assert forced["speculative-config"] == vllm_speculative_config(profile.tuned)
+    assert json.loads(render_export(profile, "vegas", "json", force=True))["gamma"] == 6
+
+
+# --- show, diff and validate on schema 2 ---------------------------------------------
+
+def test_show_prints_results_with_their_intervals(tmp_path, capsys):
+    path = write(tmp_path, sample_profile_dict())
+    code, stdout, _ = run(["show", str(path)], capsys)
+    assert code == 0
+    assert "61.4 tok/s [60.2, 62.6]" in stdout
+    assert "vanilla 28.9 tok/s [28.5, 29.3]" in stdout
+    assert "speedup 2.12x [2.05, 2.19] over vanilla, 1.30x [1.26, 1.34] over streaming" in stdout
+    assert "means of 5 interleaved rounds, 95% confidence" in stdout
+
+
+def test_validate_success_is_one_line_with_the_speedup_interval(tmp_path, capsys):
+    path = write(tmp_path, sample_profile_dict())
+    code, stdout, _ = run(["validate", str(path)], capsys)
+    assert code == 0
+    assert stdout == (f"{path}: valid (schema 2; gamma 6, sparsity 0.05; speedup 2.12x "
+                      "[2.05, 2.19]; recommended true)\n")
+
+
+def test_diff_compares_schema_2_profiles(tmp_path, capsys):
+    old = write(tmp_path, sample_profile_dict(), "old.yaml")
+    newer = sample_profile_dict()
+    newer["results"].update(speedup=1.5, speedup_interval=[1.4, 1.6])
+    new = write(tmp_path, newer, "new.yaml")
+    code, stdout, _ = run(["diff", str(old), str(new), "--tolerance", "0.1"], capsys)
+    assert code == 1
+    assert "results.speedup_interval: [2.05, 2.19] -> [1.4, 1.6]" in stdout
+    assert "REGRESSION: results.speedup (speedup over vanilla) fell" in stdout
+    code, stdout, _ = run(["diff", str(old), str(old)], capsys)
+    assert code == 0 and stdout == "no changes\n"
+
+
+def test_json_show_round_trips(tmp_path, capsys):
+    data = sample_profile_dict()
+    code, stdout, _ = run(["show", "--json", str(write(tmp_path, data))], capsys)
+    assert code == 0
+    assert json.loads(stdout) == profile_to_dict(profile_from_dict(data))

@@ -1,0 +1,228 @@
+"""Checks of a tuning run's settings before any model is loaded.
+
+A bad value found after the model has loaded (or after step 1 has run for minutes)
+wastes the user's time, and an unwritable path found by the writer is a traceback or an
+"internal error". Each check here raises ``VegasError`` with one line that names where
+the value came from: the flag (``--tolerance``), the environment variable
+(``VEGAS_TUNE_TOLERANCE``) or the config file and key (``tune.yaml: tolerance``);
+``labels`` maps each setting's name to that name.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from vegas_core.errors import VegasError
+from vegas_core.spec_config import MAX_GAMMA
+
+# Settings that count something, so must be whole numbers >= 1.
+POSITIVE_INTS = ("batch_size", "max_new_tokens", "num_prompts", "probe_gamma", "gamma_max",
+                 "min_tokens", "gamma_candidates", "refine_trials")
+# Settings that are draft lengths, bounded by what the engine accepts.
+GAMMA_SETTINGS = ("probe_gamma", "gamma_max")
+# numpy's seed range, which optuna's samplers pass the seed to.
+MAX_SEED = 2**32 - 1
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+SQLITE_SCHEME = "sqlite"
+SQLITE_IN_MEMORY = ":memory:"
+JOURNAL_SUFFIX = ".optuna.journal"
+
+
+def flag(name: str) -> str:
+    """``batch_size`` -> ``--batch-size``."""
+    return "--" + name.replace("_", "-")
+
+
+def _label(labels: Mapping[str, str], name: str) -> str:
+    return labels.get(name, flag(name))
+
+
+def check_values(values: Mapping[str, Any], labels: Mapping[str, str] | None = None) -> None:
+    """Range checks of the tune settings present in ``values`` (None values skipped):
+    counts >= 1, gammas <= the engine's maximum, 0 <= seed <= ``MAX_SEED``,
+    0 <= tolerance < 1, temperature >= 0, time_budget > 0, 0 < precision < 1,
+    max_rounds >= the tuner's minimum, a known log level."""
+    from vegas_tune.tuner import MIN_ROUNDS
+
+    labels = labels or {}
+
+    def value(name: str) -> Any:
+        return values.get(name)
+
+    def fail(name: str, rule: str) -> None:
+        raise VegasError(f"{_label(labels, name)} must be {rule}, got {value(name)}")
+
+    for name in POSITIVE_INTS:
+        if value(name) is not None and value(name) < 1:
+            fail(name, ">= 1")
+    for name in GAMMA_SETTINGS:
+        if value(name) is not None and value(name) > MAX_GAMMA:
+            fail(name, f"<= {MAX_GAMMA} (the most draft tokens the engine accepts)")
+    if value("seed") is not None and not 0 <= value("seed") <= MAX_SEED:
+        fail("seed", f"between 0 and {MAX_SEED}")
+    for name in ("tolerance", "temperature", "time_budget", "precision"):
+        if value(name) is not None and not math.isfinite(value(name)):
+            fail(name, "a finite number")
+    if value("tolerance") is not None and not 0 <= value("tolerance") < 1:
+        fail("tolerance", "in [0, 1) (a share of the plateau, e.g. 0.03)")
+    if value("temperature") is not None and value("temperature") < 0:
+        fail("temperature", ">= 0 (0 = greedy)")
+    if value("time_budget") is not None and value("time_budget") <= 0:
+        fail("time_budget", "> 0 seconds (leave it unset for no limit)")
+    if value("precision") is not None and not 0 < value("precision") < 1:
+        fail("precision", "in (0, 1) (a share of the mean, e.g. 0.02)")
+    if value("max_rounds") is not None and value("max_rounds") < MIN_ROUNDS:
+        fail("max_rounds", f">= {MIN_ROUNDS} (an interval from fewer rounds is too wide)")
+    level = value("log_level")
+    if level is not None and str(level).upper() not in LOG_LEVELS:
+        raise VegasError(f"{_label(labels, 'log_level')} '{level}': use one of "
+                         f"{', '.join(LOG_LEVELS)}")
+
+
+def named(label: str, error: VegasError) -> VegasError:
+    """``error`` with ``label`` in front, unless its message names it already."""
+    message = str(error)
+    return error if label in message else VegasError(f"{label}: {message}")
+
+
+def check_writable_folder(folder: Path, label: str, path: Path | str) -> None:
+    """``folder`` exists and takes a new file, or can be created: its nearest existing
+    ancestor is a folder that takes a new file. Nothing is left behind."""
+    existing = folder.absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise VegasError(f"{label} {path}: {existing} is a file, not a folder; choose "
+                         "another path")
+    try:
+        # The real test: permissions, read-only mounts and special filesystems (/sys)
+        # all show up here, where os.access would pass them as root.
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        raise VegasError(f"{label} {path}: cannot write in {existing} "
+                         f"({e.strerror or e}); choose a writable location") from None
+
+
+def check_out(out: Path, label: str) -> None:
+    """The profile (and the files written beside it) can be written at ``out``."""
+    if out.is_dir():
+        raise VegasError(f"{label} {out} is a folder; give the profile's file name, e.g. "
+                         f"{out / 'profile.yaml'}")
+    check_writable_folder(out.parent, label, out)
+
+
+def check_storage(url: str, label: str) -> None:
+    """A journal file's folder can be created and written, and an existing journal
+    appended to; a sqlite database's folder exists and is writable (sqlite creates
+    the file, never the folder). Other database URLs are left to the tuner."""
+    if "://" not in url:
+        path = Path(url).expanduser()
+        if path.is_dir():
+            raise VegasError(f"{label} {url} is a folder; give a journal file, e.g. "
+                             f"{path / ('study' + JOURNAL_SUFFIX)}")
+        if path.exists():
+            try:
+                with open(path, "ab"):
+                    pass
+            except OSError as e:
+                raise VegasError(f"{label} {url}: cannot append to it ({e.strerror or e}); "
+                                 "choose another storage") from None
+            return
+        check_writable_folder(path.parent, label, url)
+        return
+    if url.split("://", 1)[0].split("+", 1)[0] != SQLITE_SCHEME:
+        return
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        database = make_url(url).database
+    except ArgumentError as e:
+        raise VegasError(f"{label} '{url}' is not a valid database URL ({e})") from None
+    if not database or database == SQLITE_IN_MEMORY:
+        return
+    path = Path(database).expanduser()
+    if not path.parent.absolute().is_dir():
+        raise VegasError(f"{label} '{url}': folder {path.parent.absolute()} does not exist; "
+                         "create it or use another path (sqlite:////abs/path.db)")
+    if path.is_dir():
+        raise VegasError(f"{label} '{url}': {path} is a folder, not a database file")
+    check_writable_folder(path.parent, label, f"'{url}'")
+
+
+def check_device(device: str, dtype: str, labels: Mapping[str, str] | None = None):
+    """(torch.device, torch.dtype) the run will use, or a named error."""
+    from vegas_core.loading import resolve_device, resolve_dtype
+
+    labels = labels or {}
+    try:
+        dev = resolve_device(device)
+    except VegasError as e:
+        raise named(_label(labels, "device"), e) from None
+    try:
+        return dev, resolve_dtype(dtype, dev)
+    except VegasError as e:
+        raise named(_label(labels, "dtype"), e) from None
+
+
+def check_model_size(spec: str, device, dtype, *, ctx: int, max_new_tokens: int,
+                     batch_size: int, extra_tokens: int = 0,
+                     labels: Mapping[str, str] | None = None) -> None:
+    """When ``spec``'s config can be read without loading (dummy presets, Hugging Face
+    folders): prompt + generated tokens fit its positions, and its weights plus the KV
+    cache fit the device's free memory. Other models are checked by ``load_model``
+    (weights only) and after loading (positions)."""
+    from vegas_core.loading import DUMMY_PREFIX
+    from vegas_core.loading.memory import check_model_fits, kv_cache_bytes, peek_config
+
+    labels = labels or {}
+    try:
+        config = peek_config(spec)
+    except VegasError as e:
+        raise named(_label(labels, "model"), e) from None
+    if config is None:
+        return
+    limit = config.max_position_embeddings
+    if ctx + max_new_tokens > limit:
+        raise VegasError(f"{_label(labels, 'ctx')} {ctx} + {_label(labels, 'max_new_tokens')} "
+                         f"{max_new_tokens} exceeds {spec}'s maximum of {limit} positions; "
+                         f"lower {_label(labels, 'ctx')}")
+    tokens = ctx + max_new_tokens + extra_tokens
+    # Dummy weights are drawn in place; only weights read from a file are staged.
+    check_model_fits(config, device, dtype, staging=not spec.startswith(DUMMY_PREFIX),
+                     extra_bytes=kv_cache_bytes(config, dtype, tokens, batch_size),
+                     extra_what="KV cache",
+                     extra_fix=f"a smaller {_label(labels, 'ctx')} or "
+                               f"{_label(labels, 'batch_size')}")
+
+
+def check_tune(settings, labels: Mapping[str, str] | None = None) -> None:
+    """Everything about a ``TuneSettings`` that can be known before loading the model:
+    device and dtype, dataset, the model's positions and memory (where its config is
+    cheap to read), the profile's and the storage's paths. Run after ``check_values``."""
+    from vegas_tune.datasets import check_dataset
+    from vegas_tune.pipeline import default_out
+
+    labels = labels or {}
+    device, dtype = check_device(settings.device, settings.dtype, labels)
+    try:
+        check_dataset(settings.dataset)
+    except VegasError as e:
+        raise named(_label(labels, "dataset"), e) from None
+    # The verify pass writes gamma + 1 slots past the generated tokens.
+    check_model_size(settings.model, device, dtype, ctx=settings.ctx,
+                     max_new_tokens=settings.max_new_tokens, batch_size=settings.batch_size,
+                     extra_tokens=settings.options.gamma_max + 1, labels=labels)
+    if settings.out is not None:
+        check_out(Path(settings.out).expanduser(), _label(labels, "out"))
+    else:
+        # The hardware only names the file; the folder is the same on any machine.
+        check_out(default_out(settings, {}), f"{_label(labels, 'out')} (default)")
+    if settings.storage:
+        check_storage(settings.storage, _label(labels, "storage"))
+    # Without --storage the journal lies beside the profile: checked with it.
