@@ -344,3 +344,17 @@ def test_too_short_a_workload_is_refused_before_any_work(tmp_path, monkeypatch, 
     code, _, err = run([*FAST, "--out", str(tmp_path / "p.yaml"), "--max-new-tokens", "3"],
                        capsys)
     assert code == 2 and "--max-new-tokens 3 is too few" in err and err.count("\n") == 1
+
+
+def test_bench_measures_rounds_and_reports_an_interval(capsys):
+    code, out, err = run(["bench", "--model", "dummy:tiny", "--ctx", "256", "--gamma", "2",
+                          "--min-tokens", "8", "--max-new-tokens", "12", "--device", "cpu",
+                          "--rounds", "2", "--json"], capsys)
+    assert code == 0, err
+    result = json.loads(out)
+    low, high = result["speedup_interval"]
+    assert low <= result["speedup"] <= high
+    assert result["measured"]["rounds"] == 2
+    assert len(result["measured"]["round_vanilla_tokens_per_second"]) == 2
+    code, _, err = run(["bench", "--model", "dummy:tiny", "--rounds", "1"], capsys)
+    assert code == 2 and "--rounds must be at least 2" in err

@@ -36,6 +36,9 @@ app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
 stderr = Console(stderr=True, soft_wrap=True)
 log = logging.getLogger("vegas_tune")
 
+# `bench` rounds: the default, and the fewest that give an interval.
+BENCH_ROUNDS = 3
+MIN_BENCH_ROUNDS = 2
 # Prompts per trial when --num-prompts is not given and the batch is smaller.
 MIN_PROMPTS = 4
 SUBCOMMANDS = ("tune", "bench", "validate", "show", "diff", "export", "doctor")
@@ -299,13 +302,21 @@ def tune(
 
 def _print_summary(summary: dict) -> None:
     r, t = summary["results"], summary["tuned"]
-    verdict = "recommended" if summary["recommended"] else "NOT recommended (no configuration beat vanilla)"
+
+    def figure(name: str, spec: str, unit: str = "") -> str:
+        low, high = r[f"{name}_interval"]
+        return f"{r[name]:{spec}}{unit} [{low:{spec}}, {high:{spec}}]"
+
+    verdict = ("recommended" if summary["recommended"] else
+               "NOT recommended: the speedup's 95% interval does not lie above 1")
     stderr.print(f"profile: {summary['profile']} ({verdict})")
     stderr.print(f"tuned: gamma {t['gamma']}, sparsity {t['sparsity_ratio']}, min_tokens "
                  f"{t['min_tokens']}, score {t['score']}, window {t['window']}")
-    stderr.print(f"{r['tokens_per_second']:.1f} tok/s vs vanilla {r['vanilla_tokens_per_second']:.1f} "
-                 f"(x{r['speedup']:.2f}) and streaming {r['streaming_tokens_per_second']:.1f} "
-                 f"(x{r['speedup_over_streaming']:.2f}); mean accepted length "
+    stderr.print(f"speedup {figure('speedup', '.2f', 'x')} over vanilla, "
+                 f"{figure('speedup_over_streaming', '.2f', 'x')} over streaming "
+                 f"(95% intervals, {r['rounds']} rounds)")
+    stderr.print(f"{figure('tokens_per_second', '.1f')} tok/s vs vanilla "
+                 f"{figure('vanilla_tokens_per_second', '.1f')}; mean accepted length "
                  f"{r['mean_accepted_length']:.2f}")
     stderr.print(f"report: {summary['files']['report']}")
 
@@ -326,14 +337,20 @@ def bench(
     temperature: float = typer.Option(0.0),
     seed: int = typer.Option(0), device: str = typer.Option("auto"),
     dtype: str = typer.Option("auto"),
+    rounds: int = typer.Option(BENCH_ROUNDS, help="Rounds of (vanilla, configuration) "
+                               "measured side by side; the speedup's 95% interval comes from them."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON to stdout."),
     debug: bool = typer.Option(False, help="Show tracebacks."),
 ) -> None:
-    """Measure one configuration against vanilla decoding on one workload."""
+    """Measure one configuration against vanilla decoding on one workload, in rounds."""
     from vegas_core import SpecConfig, load_model
     from vegas_tune.datasets import check_dataset, load_prompts
-    from vegas_tune.measure import Measurer, Workload
+    from vegas_tune.measure import Measurer, Workload, interleave, series_attrs
     from vegas_tune.preflight import check_model_size
+    from vegas_tune.stats import Estimate
+
+    if rounds < MIN_BENCH_ROUNDS:
+        raise VegasError(f"--rounds must be at least {MIN_BENCH_ROUNDS} for an interval, got {rounds}")
 
     # Everything checked before the model loads (the same checks as tune's).
     check_values(dict(batch_size=batch_size, max_new_tokens=max_new_tokens,
@@ -357,20 +374,26 @@ def bench(
     loaded = load_model(model, device=dev, dtype=dt)
     prompts = load_prompts(loaded.tokenizer, dataset, tokens, count, seed)
     measurer = Measurer(loaded, Workload(prompts, batch_size, max_new_tokens, temperature, seed))
-    with stderr.status("measuring vanilla decoding ..."):
-        vanilla = measurer.measure(None)
-    with stderr.status(f"measuring {drafter} ..."):
-        ours = measurer.measure(spec)
-    result = {"model": loaded.label, "spec": spec.to_dict(), "measured": ours.as_attrs(),
-              "vanilla": vanilla.as_attrs(),
-              "speedup": ours.tokens_per_second / vanilla.tokens_per_second}
+    with stderr.status(f"measuring vanilla and {drafter}, {rounds} rounds ...") as status:
+        def after_round(done: int, samples: dict) -> bool:
+            status.update(f"measuring vanilla and {drafter}: round {done} of {rounds} done")
+            return False
+
+        samples = interleave(measurer, {"vanilla": None, "config": spec}, rounds, after_round)
+    measured = series_attrs(samples["config"], samples["vanilla"])
+    result = {"model": loaded.label, "spec": spec.to_dict(), "measured": measured,
+              "speedup": measured["speedup"],
+              "speedup_interval": [measured["speedup_low"], measured["speedup_high"]]}
     if json_out:
         print(json.dumps(result, indent=1))
         return
-    stderr.print(f"{loaded.label}: steady state {drafter} {ours.tokens_per_second:.1f} tok/s, vanilla "
-                 f"{vanilla.tokens_per_second:.1f} tok/s (x{result['speedup']:.2f}); mean "
-                 f"accepted length {ours.mean_accepted_length:.2f}; selection overhead "
-                 f"{100 * ours.selection_overhead:.1f}%")
+    tps, van, speedup = (Estimate.from_attrs(measured, name) for name in
+                         ("tokens_per_second", "vanilla_tokens_per_second", "speedup"))
+    stderr.print(f"{loaded.label}: steady state {drafter} {tps.words(' tok/s', 1)}, vanilla "
+                 f"{van.words(' tok/s', 1)}; speedup {speedup.words()} (95% interval, "
+                 f"{rounds} rounds); mean accepted length "
+                 f"{measured['mean_accepted_length']:.2f}; selection overhead "
+                 f"{100 * measured['selection_overhead']:.1f}%")
 
 
 @app.command()

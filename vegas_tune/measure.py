@@ -21,6 +21,7 @@ from vegas_core.graphs import static_steps
 from vegas_core.loading import LoadedModel
 from vegas_core.prefill import PrefixCache
 from vegas_tune.datasets import Prompt
+from vegas_tune.stats import Estimate, estimate
 
 log = logging.getLogger("vegas_tune")
 
@@ -190,3 +191,22 @@ def interleave(measurer: Measurer, configs: dict[str, SpecConfig | None], max_ro
         if after_round(done, samples):
             break
     return samples
+
+
+def ratio_estimate(numerators: list[Measurement], denominators: list[Measurement]) -> Estimate:
+    """The interval of per-round throughput ratios (e.g. the speedup over vanilla)."""
+    return estimate([n.tokens_per_second / d.tokens_per_second if d.tokens_per_second else 0.0
+                     for n, d in zip(numerators, denominators)])
+
+
+def series_attrs(config: list[Measurement], vanilla: list[Measurement]) -> dict:
+    """A configuration's rounds beside vanilla's, as plain data: its averaged metrics,
+    mean and interval of its throughput, of vanilla's and of the speedup, and each
+    round's throughputs (``round_*``), so the noise behind an interval can be seen."""
+    return {**Measurement.average(config).as_attrs(),
+            **estimate([m.tokens_per_second for m in config]).attrs("tokens_per_second"),
+            **estimate([m.tokens_per_second for m in vanilla]).attrs("vanilla_tokens_per_second"),
+            **ratio_estimate(config, vanilla).attrs("speedup"),
+            "rounds": len(config),
+            "round_tokens_per_second": [round(m.tokens_per_second, 3) for m in config],
+            "round_vanilla_tokens_per_second": [round(m.tokens_per_second, 3) for m in vanilla]}

@@ -259,7 +259,7 @@ class StepSummary(_Strict):
     chosen: dict[str, Scalar]
     notes: str = ""
     predictions: list[GammaPrediction] = Field(default_factory=list)
-    # Measured configurations whose speedup interval overlaps the chosen one's: the step
+    # Measured configurations whose speedup interval overlaps the best mean's: the step
     # could not tell them apart, and chose the cheapest (see docs/tuning.md).
     within_noise: list[dict[str, Scalar]] = Field(default_factory=list)
 

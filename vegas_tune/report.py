@@ -530,9 +530,9 @@ def _within_noise(steps: list[dict], results: dict) -> str:
     if not rows:
         return ""
     intro = (f"These measured configurations have a speedup whose {_level(results)}interval "
-             "overlaps the chosen one's: the tuner could not tell them apart, so it chose "
-             "the cheapest of them (smaller gamma, then smaller sparsity, then window 0 and "
-             "score logit).")
+             "overlaps the interval of the step's best mean: the tuner could not tell them "
+             "apart, so it chose the cheapest of them (smaller gamma, then smaller "
+             "sparsity, then window 0 and score logit).")
     return ("## Within noise\n\n" + intro + "\n\n"
             + _table(["step", "configuration", "speedup vs vanilla", "tokens/s"], rows))
 

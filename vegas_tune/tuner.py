@@ -36,7 +36,7 @@ import torch
 from vegas_core import SpecConfig
 from vegas_core.errors import VegasError
 from vegas_tune.costmodel import StepCosts, predict_tokens_per_second
-from vegas_tune.measure import Measurement, Measurer, interleave
+from vegas_tune.measure import Measurement, Measurer, interleave, ratio_estimate, series_attrs
 from vegas_tune.progress import ProgressCallback, ProgressEvent
 from vegas_tune.stats import Estimate, choose_within_noise, estimate
 
@@ -316,7 +316,7 @@ class Tuner:
             nonlocal raced
             if done < 2:
                 return False
-            speedup = _ratios(samples["config"], samples["vanilla"])
+            speedup = ratio_estimate(samples["config"], samples["vanilla"])
             raced = incumbent is not None and speedup.below(incumbent)
             return raced or (done >= MIN_ROUNDS
                              and speedup.relative_half_width <= self.options.precision)
@@ -324,7 +324,7 @@ class Tuner:
         samples = self._guard_memory(trial, lambda: interleave(
             self.measurer, {"vanilla": None, "config": spec}, self.options.max_rounds,
             after_round))
-        attrs = _series_attrs(samples["config"], samples["vanilla"])
+        attrs = series_attrs(samples["config"], samples["vanilla"])
         self._store(trial, attrs, spec)
         speedup = Estimate.from_attrs(attrs, "speedup")
         if raced:
@@ -485,7 +485,7 @@ class Tuner:
         def after_round(done: int, samples: dict[str, list[Measurement]]) -> bool:
             if done < 2:
                 return False
-            speedup = _ratios(samples["chosen"], samples["vanilla"])
+            speedup = ratio_estimate(samples["chosen"], samples["vanilla"])
             self._report("baselines", done, self.options.max_rounds,
                          f"{speedup.words()} over vanilla", unit="rounds")
             return done >= MIN_ROUNDS and speedup.relative_half_width <= self.options.precision
@@ -495,14 +495,15 @@ class Tuner:
             samples = self._guard_memory(trial, lambda: interleave(
                 self.measurer, configs, self.options.max_rounds, after_round))
             vanilla = samples["vanilla"]
-            series = {name: _series_attrs(samples[name], vanilla)
+            series = {name: series_attrs(samples[name], vanilla)
                       for name in ("chosen", "streaming")}
             series["vanilla"] = {
                 **Measurement.average(vanilla).as_attrs(),
                 **estimate([m.tokens_per_second for m in vanilla]).attrs("tokens_per_second"),
-                "rounds": len(vanilla)}
+                "rounds": len(vanilla),
+                "round_tokens_per_second": [round(m.tokens_per_second, 3) for m in vanilla]}
             series["chosen"].update(
-                _ratios(samples["chosen"], samples["streaming"]).attrs("speedup_over_streaming"))
+                ratio_estimate(samples["chosen"], samples["streaming"]).attrs("speedup_over_streaming"))
             trial.set_user_attr("series", series)
             return series["chosen"]["speedup"]
 
@@ -600,22 +601,6 @@ def check_study(storage, storage_url: str, study_name: str, *, resume: bool, new
 def _trial_row(attrs: dict) -> dict:
     return {k: " ".join(f"{a:.3f}" for a in v) if k == "acceptance_by_position" else v
             for k, v in attrs.items()}
-
-
-def _ratios(numerators: list[Measurement], denominators: list[Measurement]) -> Estimate:
-    """The interval of per-round throughput ratios (e.g. speedup over vanilla)."""
-    return estimate([n.tokens_per_second / d.tokens_per_second if d.tokens_per_second else 0.0
-                     for n, d in zip(numerators, denominators)])
-
-
-def _series_attrs(config: list[Measurement], vanilla: list[Measurement]) -> dict:
-    """A configuration's rounds as trial attributes: its averaged metrics, and mean and
-    interval of its throughput, of vanilla's beside it and of the speedup."""
-    return {**Measurement.average(config).as_attrs(),
-            **estimate([m.tokens_per_second for m in config]).attrs("tokens_per_second"),
-            **estimate([m.tokens_per_second for m in vanilla]).attrs("vanilla_tokens_per_second"),
-            **_ratios(config, vanilla).attrs("speedup"),
-            "rounds": len(config)}
 
 
 def _speedup_of(trial) -> Estimate | None:
