@@ -393,7 +393,7 @@ def test_within_noise_section_lists_what_the_tuner_could_not_tell_apart(tmp_path
     text = write_report(profile, TRIALS, tmp_path / "r.md", {}).read_text()
     noise = section(text, "Within noise")
     assert "could not tell them apart" in noise and "chose the cheapest" in noise
-    assert "95% interval overlaps the chosen one's" in noise
+    assert "95% interval overlaps the interval of the step's best mean" in noise
     assert "| gamma | gamma=6 (chosen) | 1.41x [1.37, 1.45] | 141.2 |" in noise
     assert "| gamma | gamma=7 | 1.42x [1.36, 1.48] | 142.0 |" in noise
     assert "| gamma | gamma=8 | 1.40x [1.33, 1.47] | n/a |" in noise
