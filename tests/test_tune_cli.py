@@ -358,3 +358,11 @@ def test_bench_measures_rounds_and_reports_an_interval(capsys):
     assert len(result["measured"]["round_vanilla_tokens_per_second"]) == 2
     code, _, err = run(["bench", "--model", "dummy:tiny", "--rounds", "1"], capsys)
     assert code == 2 and "--rounds must be at least 2" in err
+
+
+def test_too_short_a_workload_from_the_environment_names_the_variable(
+        tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("VEGAS_TUNE_MAX_NEW_TOKENS", "5")
+    argv = [a for a in FAST if a not in ("--max-new-tokens", "12")]
+    code, _, err = run([*argv, "--out", str(tmp_path / "p.yaml")], capsys)
+    assert code == 2 and "VEGAS_TUNE_MAX_NEW_TOKENS 5 is too few" in err, err

@@ -46,7 +46,7 @@ def check_values(values: Mapping[str, Any], labels: Mapping[str, str] | None = N
     counts >= 1, gammas <= the engine's maximum, 0 <= seed <= ``MAX_SEED``,
     0 <= tolerance < 1, temperature >= 0, time_budget > 0, 0 < precision < 1,
     max_rounds >= the tuner's minimum, a known log level."""
-    from vegas_tune.tuner import MIN_ROUNDS
+    from vegas_tune.tuner import MIN_ROUNDS, min_new_tokens
 
     labels = labels or {}
 
@@ -75,6 +75,13 @@ def check_values(values: Mapping[str, Any], labels: Mapping[str, str] | None = N
         fail("time_budget", "> 0 seconds (leave it unset for no limit)")
     if value("precision") is not None and not 0 < value("precision") < 1:
         fail("precision", "in (0, 1) (a share of the mean, e.g. 0.02)")
+    if value("max_new_tokens") is not None and value("probe_gamma") is not None:
+        needed = min_new_tokens(value("probe_gamma"))
+        if value("max_new_tokens") < needed:
+            raise VegasError(
+                f"{_label(labels, 'max_new_tokens')} {value('max_new_tokens')} is too few to "
+                f"time a speculative iteration at {_label(labels, 'probe_gamma')} "
+                f"{value('probe_gamma')}; use at least {needed}")
     if value("max_rounds") is not None and value("max_rounds") < MIN_ROUNDS:
         fail("max_rounds", f">= {MIN_ROUNDS} (an interval from fewer rounds is too wide)")
     level = value("log_level")

@@ -647,12 +647,17 @@ def _fingerprint_difference(old: dict | None, new: dict) -> str:
     return "; ".join(f"{k}: {old.get(k)!r} then, {new.get(k)!r} now" for k in keys)
 
 
+def min_new_tokens(probe_gamma: int) -> int:
+    """The fewest new tokens per prompt that time a speculative iteration at
+    ``probe_gamma``: the first iteration captures graphs and is not timed, and a steady
+    window needs a second one even when every draft token is accepted."""
+    return 2 * (probe_gamma + 1)
+
+
 def check_measurable(options: TuneOptions, max_new_tokens: int, decoded_per_measurement: int) -> None:
     """Refuse a workload whose trials cannot be timed, before any work; warn about one
     too small to time well. ``decoded_per_measurement``: tokens one pass decodes."""
-    # The first iteration captures graphs and is not timed; a steady window needs a
-    # second one even when every draft token is accepted.
-    needed = 2 * (options.probe_gamma + 1)
+    needed = min_new_tokens(options.probe_gamma)
     if max_new_tokens < needed:
         raise VegasError(f"--max-new-tokens {max_new_tokens} is too few to time a "
                          f"speculative iteration at --probe-gamma {options.probe_gamma}; "
