@@ -303,22 +303,26 @@ def tune(
 def _print_summary(summary: dict) -> None:
     r, t = summary["results"], summary["tuned"]
 
-    def figure(name: str, spec: str, unit: str = "") -> str:
-        low, high = r[f"{name}_interval"]
-        return f"{r[name]:{spec}}{unit} [{low:{spec}}, {high:{spec}}]"
-
     verdict = ("recommended" if summary["recommended"] else
                "NOT recommended: the speedup's 95% interval does not lie above 1")
     stderr.print(f"profile: {summary['profile']} ({verdict})")
     stderr.print(f"tuned: gamma {t['gamma']}, sparsity {t['sparsity_ratio']}, min_tokens "
                  f"{t['min_tokens']}, score {t['score']}, window {t['window']}")
-    stderr.print(f"speedup {figure('speedup', '.2f', 'x')} over vanilla, "
-                 f"{figure('speedup_over_streaming', '.2f', 'x')} over streaming "
+    stderr.print(f"speedup {_result_words(r, 'speedup', 'x', 2)} over vanilla, "
+                 f"{_result_words(r, 'speedup_over_streaming', 'x', 2)} over streaming "
                  f"(95% intervals, {r['rounds']} rounds)")
-    stderr.print(f"{figure('tokens_per_second', '.1f')} tok/s vs vanilla "
-                 f"{figure('vanilla_tokens_per_second', '.1f')}; mean accepted length "
-                 f"{r['mean_accepted_length']:.2f}")
+    stderr.print(f"{_result_words(r, 'tokens_per_second', ' tok/s', 1)} vs vanilla "
+                 f"{_result_words(r, 'vanilla_tokens_per_second', ' tok/s', 1)}; mean "
+                 f"accepted length {r['mean_accepted_length']:.2f}")
     stderr.print(f"report: {summary['files']['report']}")
+
+
+def _result_words(results: dict, name: str, unit: str, digits: int) -> str:
+    """``1.42x [1.38, 1.46]``: a profile result with its confidence interval."""
+    from vegas_tune.stats import Estimate
+
+    low, high = results[f"{name}_interval"]
+    return Estimate(results[name], low, high, results["rounds"]).words(unit, digits)
 
 
 @app.command()
@@ -422,12 +426,10 @@ def show(profile: Path = typer.Argument(..., help="Profile YAML."),
         print(json.dumps(profile_to_dict(p), indent=1))
         return
     r = p.results
+    results = r.model_dump()
 
     def figure(name: str, unit: str, digits: int) -> str:
-        """``1.42x [1.38, 1.46]``: a result with its confidence interval."""
-        low, high = getattr(r, f"{name}_interval")
-        return (f"{getattr(r, name):.{digits}f}{unit} "
-                f"[{low:.{digits}f}, {high:.{digits}f}]")
+        return _result_words(results, name, unit, digits)
 
     hw = p.hardware.gpu_name or f"CPU ({p.hardware.cpu})"
     typer.echo(f"{profile}\n  model {p.model.id} ({p.model.dtype}) on {hw}; ctx {p.workload.ctx}, "

@@ -26,7 +26,8 @@ from vegas_tune.report import (plot_acceptance_vs_sparsity, plot_throughput_vs_g
                                write_report, write_trials_table)
 from vegas_tune.progress import ProgressCallback
 from vegas_tune.stats import CONFIDENCE
-from vegas_tune.tuner import TuneOptions, Tuner, check_measurable, check_study, ctx_label
+from vegas_tune.preflight import check_values
+from vegas_tune.tuner import TuneOptions, Tuner, check_study, ctx_label, warn_if_hard_to_time
 
 log = logging.getLogger("vegas_tune")
 
@@ -111,9 +112,12 @@ def run_tune(settings: TuneSettings,
     # Refuse a --resume of another workload (or a rerun without --resume) before loading.
     check_study(None, storage, study_name, resume=settings.resume, new_study=settings.new_study,
                 fingerprint=settings_fingerprint(settings, hardware))
+    # The CLI has checked these with the names they came from; callers of this API have not.
+    check_values({**vars(settings.options), "batch_size": settings.batch_size,
+                  "max_new_tokens": settings.max_new_tokens,
+                  "num_prompts": settings.num_prompts, "temperature": settings.temperature})
     batches = -(-settings.num_prompts // settings.batch_size)
-    check_measurable(settings.options, settings.max_new_tokens,
-                     batches * settings.batch_size * settings.max_new_tokens)
+    warn_if_hard_to_time(batches * settings.batch_size * settings.max_new_tokens)
     log.info("loading %s", settings.model)
     model = load_model(settings.model, device=settings.device, dtype=settings.dtype)
     if model.tokenizer is None:

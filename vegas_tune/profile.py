@@ -42,8 +42,6 @@ from vegas_core.spec_config import (COLLECT, DRAFTERS, GRANULARITIES, MAX_GAMMA,
 
 SCHEMA_VERSION = 2
 
-# Upper bound of ``Tuned.window``: the engine's own limit. Kept under this name for callers.
-MAX_WINDOW_SHARE = MAX_WINDOW
 
 # Profiles are a few KiB; anything this large is not one, and is refused before parsing.
 MAX_YAML_BYTES = 4 * 2**20
@@ -206,8 +204,9 @@ class Results(_Strict):
 
     Every throughput and speedup is the mean over ``rounds`` interleaved measurement
     rounds (tuned, vanilla and streaming measured one after another in each round), with
-    its ``confidence`` interval beside it as ``<name>_interval: [low, high]``. Speedups
-    are means of per-round ratios, so drift between rounds hits both sides of a ratio.
+    its ``confidence`` interval beside it as ``<name>_interval: [low, high]``. Means are
+    geometric (``vegas_tune.stats``); speedups are means of per-round ratios, so drift
+    between rounds hits both sides of a ratio.
     """
 
     tokens_per_second: Positive

@@ -654,19 +654,9 @@ def min_new_tokens(probe_gamma: int) -> int:
     return 2 * (probe_gamma + 1)
 
 
-def check_measurable(options: TuneOptions, max_new_tokens: int, decoded_per_measurement: int) -> None:
-    """Refuse a workload whose trials cannot be timed, before any work; warn about one
-    too small to time well. ``decoded_per_measurement``: tokens one pass decodes."""
-    needed = min_new_tokens(options.probe_gamma)
-    if max_new_tokens < needed:
-        raise VegasError(f"--max-new-tokens {max_new_tokens} is too few to time a "
-                         f"speculative iteration at --probe-gamma {options.probe_gamma}; "
-                         f"use at least {needed}")
-    if options.max_rounds < MIN_ROUNDS:
-        raise VegasError(f"--max-rounds must be at least {MIN_ROUNDS} (an interval from "
-                         f"fewer rounds is too wide to decide on), got {options.max_rounds}")
-    if not 0 < options.precision < 1:
-        raise VegasError(f"--precision must be in (0, 1), got {options.precision}")
+def warn_if_hard_to_time(decoded_per_measurement: int) -> None:
+    """Warn, before any work, about a workload that decodes too few tokens per
+    measurement to time well (the refusals are ``preflight.check_values``')."""
     if decoded_per_measurement < MIN_TOKENS_PER_MEASUREMENT:
         log.warning("each measurement decodes only %d tokens (batches x --max-new-tokens): "
                     "expect wide intervals; raise --max-new-tokens or --num-prompts",
