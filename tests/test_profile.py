@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -19,7 +20,14 @@ TUNED = dict(drafter="vegas", gamma=6, sparsity_ratio=0.05, min_tokens=256, coll
 
 
 def sample_profile_dict() -> dict:
-    """A valid profile as parsed from YAML: Llama 3.1 8B tuned on one H200 at 8k context."""
+    """A valid profile as parsed from YAML: Llama 3.1 8B tuned on one H200 at 8k context,
+    at batch sizes 1 (vanilla wins) and 64 (the tuned settings win: the headline)."""
+    data = _sample_without_headline()
+    data["schedule"].append({})
+    return sync_headline(data)
+
+
+def _sample_without_headline() -> dict:
     tuned = Tuned(**TUNED)
     return {
         "schema_version": SCHEMA_VERSION,
@@ -34,7 +42,8 @@ def sample_profile_dict() -> dict:
             "dummy": False,
         },
         "workload": {
-            "ctx": 8192, "batch_size": 1, "max_new_tokens": 256, "temperature": 0.0,
+            "ctx": 8192, "batch_size": 64, "batch_sizes": [1, 64], "max_new_tokens": 256,
+            "temperature": 0.0,
             "dataset": "mixed", "dataset_sha256": "9a7b" + "1" * 60, "num_prompts": 8,
         },
         "hardware": {
@@ -79,12 +88,48 @@ def sample_profile_dict() -> dict:
             "started": "2025-06-01T12:00:00+00:00", "duration_seconds": 1843.5,
             "engine_path": "vegas_core",
         },
-        "exports": build_exports(MODEL_ID, tuned).model_dump(),
+        "schedule": [
+            {"batch_min": 1, "batch_max": 63, "batch_size": 1, "config": "vanilla",
+             "measured": dict(TUNED), "results": {
+                 "tokens_per_second": 25.1, "tokens_per_second_interval": [24.6, 25.6],
+                 "vanilla_tokens_per_second": 31.0,
+                 "vanilla_tokens_per_second_interval": [30.5, 31.5],
+                 "streaming_tokens_per_second": 22.0,
+                 "streaming_tokens_per_second_interval": [21.5, 22.5],
+                 "speedup": 0.81, "speedup_interval": [0.79, 0.83],
+                 "speedup_over_streaming": 1.14, "speedup_over_streaming_interval": [1.1, 1.18],
+                 "mean_accepted_length": 4.85,
+                 "acceptance_by_position": [0.93, 0.86, 0.79, 0.72, 0.65, 0.6],
+                 "selection_overhead": 0.05, "rounds": 3, "confidence": 0.95},
+             "reason": "vanilla: the speedup interval [0.79, 0.83] lies below 1"},
+        ],
+        "exports": build_exports(MODEL_ID, tuned, 64, 8192 + 256).model_dump(),
     }
 
 
 # Half-width of the intervals sample_profile puts around results it is given.
 SAMPLE_HALF_WIDTH = 0.02
+
+
+def sync_headline(data: dict) -> dict:
+    """``data`` with its last schedule entry rebuilt from the top-level ``tuned``,
+    ``results``, ``recommended`` and ``workload.batch_size``, which repeat it, and its
+    exports rebuilt from ``tuned``: a test changes the top level, this keeps the rest
+    consistent."""
+    schedule = data["schedule"]
+    previous = schedule[-2]["batch_max"] if len(schedule) > 1 else 0
+    batch = data["workload"]["batch_size"]
+    speculative = dict(data["tuned"])
+    schedule[-1] = {"batch_min": previous + 1, "batch_max": batch, "batch_size": batch,
+                    "config": speculative if data["recommended"] else "vanilla",
+                    **({} if data["recommended"] else {"measured": speculative}),
+                    # A copy: YAML would write a shared mapping as an anchor and an alias.
+                    "results": copy.deepcopy(data["results"]), "reason": "the headline"}
+    w = data["workload"]
+    # model_construct skips validation, so out-of-range values still get their exports.
+    data["exports"] = build_exports(MODEL_ID, Tuned.model_construct(**data["tuned"]), batch,
+                                    w["ctx"] + w["max_new_tokens"]).model_dump()
+    return data
 
 
 def sample_profile(**results) -> Profile:
@@ -97,7 +142,7 @@ def sample_profile(**results) -> Profile:
             data["results"][interval] = [value * (1 - SAMPLE_HALF_WIDTH),
                                          value * (1 + SAMPLE_HALF_WIDTH)]
     data["results"].update(results)
-    return profile_from_dict(data)
+    return profile_from_dict(sync_headline(data))
 
 
 def assert_one_line(error: pytest.ExceptionInfo, *fragments: str) -> None:

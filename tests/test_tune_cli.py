@@ -57,8 +57,10 @@ def test_tune_writes_a_valid_profile_and_its_files(tuned_profile, capsys):
     assert [s["name"] for s in profile["steps"]] == ["sparsity", "gamma", "refine"]
     assert profile["tuned"]["gamma"] in (1, 2, 3, 4)
     gamma_step = profile["steps"][1]
-    assert len(gamma_step["predictions"]) == 4
+    # Every gamma up to 4 at both step-1 ratios predicted; the two best measured.
+    assert len(gamma_step["predictions"]) == 8
     assert sum(p["measured_tokens_per_second"] is not None for p in gamma_step["predictions"]) == 2
+    assert [e["batch_size"] for e in profile["schedule"]] == [1]
     r = profile["results"]
     assert r["speedup"] == pytest.approx(r["tokens_per_second"] / r["vanilla_tokens_per_second"],
                                          rel=1e-3)
@@ -74,7 +76,7 @@ def test_show_export_and_diff(tuned_profile, tmp_path, capsys):
     serve = yaml.safe_load(stdout)
     # A profile that is not recommended exports vanilla serving, and says so.
     assert code == 0 and ("speculative-config" in serve) == recommended
-    assert recommended or "not recommended" in err
+    assert recommended or "runs vanilla" in err
     code, stdout, _ = run(["export", str(out), "--target", "vllm", "--force"], capsys)
     assert code == 0 and yaml.safe_load(stdout)["speculative-config"]["sparse_attn_algorithm"] == "vegas"
     code, stdout, _ = run(["export", str(out), "--target", "vegas", "--format", "json", "--force"],
@@ -154,6 +156,9 @@ def test_ctrl_c_exits_130_and_keeps_trials(tmp_path):
     assert proc.returncode == 130
     assert "--resume" in err and "Traceback" not in err
     assert len(completed_trials(storage, "int:sparsity")) >= 1
+    # The finished trials still make a profile, which says it was cut short.
+    profile = yaml.safe_load((tmp_path / "p.yaml").read_text())
+    assert any("Ctrl-C" in line for line in profile["cut_short"])
 
 
 def fake_measurement(tokens_per_second: float, accepted: float = 2.0,
@@ -233,7 +238,10 @@ def test_out_of_memory_trial_is_recorded_and_tuning_goes_on(tmp_path, monkeypatc
     (["--model", "dummy:nope"], "unknown dummy preset"),
     (["--ctx", "20k"], "maximum of 16384 positions"),
     (["--dataset", "missing.jsonl"], "not found"),
-    (["--batch-size", "0"], "--batch-size must be >= 1"),
+    (["--batch-size", "0"], "--batch-size '0': every size must be >= 1, got 0"),
+    (["--batch-size", "1,-3"], "every size must be >= 1, got -3"),
+    (["--batch-size", "1,16,16"], "16 is given twice"),
+    (["--batch-size", "1,many"], "--batch-size '1,many' is not a whole number"),
     (["--sparsity-grid", "0.1,2"], "--sparsity-grid"),
 ])
 def test_bad_tune_input(argv, fragment, tmp_path, capsys):
@@ -293,7 +301,8 @@ def test_configurations_within_noise_go_to_the_cheapest(tmp_path, monkeypatch, c
     measure = noisy_measure(lambda spec: 1.0 if spec.gamma == 1 else 1.5)
     monkeypatch.setattr("vegas_tune.measure.Measurer.measure", measure)
     out = tmp_path / "p.yaml"
-    code, _, err = run([*FAST, "--out", str(out), "--gamma-candidates", "4"], capsys)
+    code, _, err = run([*FAST, "--out", str(out), "--gamma-candidates", "4",
+                        "--sparsity-grid", "0.05"], capsys)
     assert code == 0, err
     profile = yaml.safe_load(out.read_text())
     gamma_step = profile["steps"][1]
@@ -366,3 +375,94 @@ def test_too_short_a_workload_from_the_environment_names_the_variable(
     argv = [a for a in FAST if a not in ("--max-new-tokens", "12")]
     code, _, err = run([*argv, "--out", str(tmp_path / "p.yaml")], capsys)
     assert code == 2 and "VEGAS_TUNE_MAX_NEW_TOKENS 5 is too few" in err, err
+
+
+def batch_aware_measure(speedup_at, noise: float = 0.02, seed: int = 0, fail_at=()):
+    """A fake ``Measurer.measure`` that knows its batch size: vanilla at 100 tokens/s per
+    sequence, a configuration ``speedup_at(batch, spec)`` times that; sizes in
+    ``fail_at`` run out of memory."""
+    rng = random.Random(seed)
+
+    def measure(self, spec, report=None):
+        batch = self.workload.batch_size
+        measure.calls.append((batch, spec))
+        if batch in fail_at:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 80 GiB")
+        factor = math.exp(rng.gauss(0.0, noise)) * 100.0 * batch
+        if spec is None:
+            return fake_measurement(factor, 1.0, 0)
+        return fake_measurement(factor * speedup_at(batch, spec), 2.0, spec.gamma)
+
+    measure.calls = []
+    return measure
+
+
+def test_batch_list_measures_acceptance_once_and_writes_a_schedule(tmp_path, monkeypatch,
+                                                                    capsys):
+    # Vegas loses at batch 1 and wins from batch 4 up, as K/V reads grow with the batch.
+    measure = batch_aware_measure(lambda batch, spec: 0.8 if batch < 4 else 1.6)
+    monkeypatch.setattr("vegas_tune.measure.Measurer.measure", measure)
+    out = tmp_path / "p.yaml"
+    code, _, err = run([*FAST, "--out", str(out), "--batch-size", "8,1,4"], capsys)
+    assert code == 0, err
+    profile = yaml.safe_load(out.read_text())
+    assert profile["workload"]["batch_sizes"] == [1, 4, 8]
+    ranges = [(e["batch_min"], e["batch_max"], e["batch_size"]) for e in profile["schedule"]]
+    assert ranges == [(1, 3, 1), (4, 7, 4), (8, 8, 8)]
+    configs = [e["config"] for e in profile["schedule"]]
+    assert configs[0] == "vanilla" and configs[1]["drafter"] == configs[2]["drafter"] == "vegas"
+    assert "below 1" in profile["schedule"][0]["reason"]
+    assert profile["recommended"] is True and profile["workload"]["batch_size"] == 8
+    serve = profile["exports"]["vllm"]["serve_config"]
+    assert serve["max-num-seqs"] == 8 and serve["max-model-len"] == 512 + 12
+    # Step 1 (acceptance) ran once, at the smallest size, not once per size.
+    step1 = [(b, s) for b, s in measure.calls if s is not None and s.gamma == 4
+             and s.sparsity in (0.05, 0.2)][:2]
+    assert {b for b, _ in step1} == {1}
+    sparsity_steps = [s for s in profile["steps"] if s["name"] == "sparsity"]
+    assert len(sparsity_steps) == 1 and sparsity_steps[0]["batch_size"] is None
+    assert sorted(s["batch_size"] for s in profile["steps"] if s["name"] == "gamma") == [1, 4, 8]
+    code, stdout, _ = run(["validate", str(out)], capsys)
+    assert code == 0, stdout
+
+
+def test_a_size_out_of_memory_is_recorded_and_the_others_go_on(tmp_path, monkeypatch, capsys):
+    measure = batch_aware_measure(lambda batch, spec: 1.5, fail_at=(8,))
+    monkeypatch.setattr("vegas_tune.measure.Measurer.measure", measure)
+    out = tmp_path / "p.yaml"
+    code, _, err = run([*FAST, "--out", str(out), "--batch-size", "1,8,2"], capsys)
+    assert code == 0, err
+    profile = yaml.safe_load(out.read_text())
+    assert [e["batch_size"] for e in profile["schedule"]] == [1, 2]
+    assert profile["not_tuned"][0]["batch_size"] == 8
+    assert "out of memory" in profile["not_tuned"][0]["reason"]
+    assert "not tuned: batch 8" in err
+
+
+def test_time_budget_writes_the_best_profile_the_finished_trials_support(
+        tmp_path, monkeypatch, capsys):
+    inner = batch_aware_measure(lambda batch, spec: 1.5)
+
+    def slow(self, spec, report=None):
+        time.sleep(0.05)
+        return inner(self, spec, report)
+
+    monkeypatch.setattr("vegas_tune.measure.Measurer.measure", slow)
+    out = tmp_path / "p.yaml"
+    code, _, err = run([*FAST, "--out", str(out), "--batch-size", "1,2",
+                        "--time-budget", "1.2"], capsys)
+    assert code in (0, 3), err
+    profile = yaml.safe_load(out.read_text())
+    assert profile["cut_short"] and "--time-budget" in profile["cut_short"][0]
+    assert "cut short" in err
+    code, stdout, _ = run(["validate", str(out)], capsys)
+    assert code == 0, stdout
+    # Out of time during step 1: its finished trial is all there is to say (measured
+    # once, without vanilla), so the profile runs vanilla and says why.
+    out = tmp_path / "q.yaml"
+    code, _, err = run([*FAST, "--out", str(out), "--time-budget", "0.01"], capsys)
+    assert code == 3, err
+    profile = yaml.safe_load(out.read_text())
+    (entry,) = profile["schedule"]
+    assert entry["config"] == "vanilla" and entry["results"]["speedup"] is None
+    assert entry["results"]["rounds"] == 1 and profile["cut_short"][0].startswith("sparsity")

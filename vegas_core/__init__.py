@@ -1,7 +1,7 @@
 """vegas_core: a compact PyTorch engine for Vegas self-speculative decoding.
 
-Public API: ``load_model``, ``generate`` and the result types. Everything else is
-internal and may change.
+Public API: ``load_model``, ``generate``, ``SpecConfig``, ``SpecSchedule`` and the result
+types. Everything else is internal and may change.
 """
 
 from vegas_core.config import ModelConfig
@@ -9,6 +9,7 @@ from vegas_core.errors import VegasError
 from vegas_core.generation import (GenerationResult, GenerationStats, SpeculativeStats,
                                    generate)
 from vegas_core.loading import LoadedModel, load_model
+from vegas_core.schedule import SpecSchedule
 from vegas_core.spec_config import SpecConfig
 
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "LoadedModel",
     "ModelConfig",
     "SpecConfig",
+    "SpecSchedule",
     "SpeculativeStats",
     "VegasError",
     "generate",

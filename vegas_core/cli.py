@@ -120,7 +120,8 @@ def _progress() -> Progress:
 
 
 @app.command()
-@show_defaults({"prompt": "none", "prompt_file": "none", "drafter": "none: vanilla decoding"})
+@show_defaults({"prompt": "none", "prompt_file": "none", "drafter": "none: vanilla decoding",
+                "profile": "none"})
 def generate(
     ctx: typer.Context,
     model: str = typer.Option("smollm2-135m", help="Embedded name, .gguf file, HF directory or hub id, or dummy:<preset>."),
@@ -134,6 +135,7 @@ def generate(
     chat: bool = typer.Option(False, help="Wrap the prompt in the model's chat template."),
     ignore_eos: bool = typer.Option(False, help="Keep generating past EOS (for timing)."),
     drafter: Optional[str] = typer.Option(None, help="Decode speculatively with this drafter: vegas, streaming, quest, snapkv, specextend, oracle, dense."),
+    profile: Optional[Path] = typer.Option(None, help="Decode with a tuned profile (vegas-tune's YAML): its schedule's entry for the batch size. Not with --drafter."),
     gamma: int = typer.Option(6, min=1, max=MAX_GAMMA, help="Draft tokens per iteration (with --drafter)."),
     sparsity: float = typer.Option(0.05, min=0.0, max=1.0, help="Draft budget as a share of the prefix (with --drafter)."),
     min_tokens: int = typer.Option(256, min=1, help="Smallest draft budget in tokens (with --drafter)."),
@@ -150,7 +152,16 @@ def generate(
 
     if (prompt is None) == (prompt_file is None):
         raise VegasError("give exactly one of --prompt or --prompt-file")
-    if drafter is None:
+    if profile is not None:
+        # Both would choose the decoding; mixing them would time neither as tuned.
+        if drafter is not None:
+            raise VegasError("--profile and --drafter both choose how to decode; give one")
+        for name in SPECULATIVE_OPTIONS:
+            if ctx.get_parameter_source(name).name != "DEFAULT":
+                flag = "--" + name.replace("_", "-")
+                raise VegasError(f"{flag} does not combine with --profile, which sets the "
+                                 f"speculative settings; drop {flag}")
+    elif drafter is None:
         # Silently ignoring e.g. --sparsity would time vanilla decoding as if it were tuned.
         for name in SPECULATIVE_OPTIONS:
             if ctx.get_parameter_source(name).name != "DEFAULT":
@@ -163,6 +174,9 @@ def generate(
     if drafter is not None:
         spec = SpecConfig(drafter=drafter, gamma=gamma, sparsity=sparsity, min_tokens=min_tokens,
                           collect=collect, score=score, granularity=granularity)
+    if profile is not None:
+        # Before loading the model: a bad profile fails in a moment, not after a load.
+        spec = _profile_spec(profile, model, batch=1)
     with stderr.status(f"loading {model} ..."):
         loaded = load_model(model, device=device, dtype=dtype)
     stderr.print(f"model: {loaded.label} on {loaded.device} ({str(loaded.dtype).removeprefix('torch.')})")
@@ -195,6 +209,30 @@ def generate(
             f"{s.draft_seconds:.2f} s, verify {s.verify_seconds:.2f} s, selection "
             f"{s.selection_seconds:.3f} s ({100 * s.selection_overhead:.1f}% of decode)"
         )
+
+
+def _profile_spec(path: Path, model: str, batch: int):
+    """The profile's ``SpecConfig`` (None: vanilla) for ``batch`` prompts, announced on
+    stderr; a warning when the profile was tuned for another model than ``model``."""
+    from vegas_core.schedule import SpecSchedule
+    from vegas_core.yamlio import read_yaml_file
+
+    data = read_yaml_file(path, "profile")
+    schedule = SpecSchedule.from_profile_data(data, str(path))
+    # Cheap and advisory: model.id is the --model the tuner was given, so a path and a
+    # name of the same model differ too.
+    info = data.get("model")
+    tuned_for = info.get("id") if isinstance(info, dict) else None
+    if isinstance(tuned_for, str) and tuned_for != model:
+        stderr.print(f"warning: profile {path} was tuned for {tuned_for}, not {model}; its "
+                     "settings may not suit this model", markup=False, highlight=False)
+    entry = schedule.entry_for(batch)
+    spec = entry.spec
+    chosen = ("vanilla" if spec is None
+              else f"{spec.drafter} gamma {spec.gamma}, sparsity {spec.sparsity:g}")
+    stderr.print(f"profile {path}: batch {batch} -> {chosen} "
+                 f"(range {entry.batch_min}-{entry.batch_max})", markup=False, highlight=False)
+    return spec
 
 
 def read_prompt_file(path: Path) -> str:

@@ -33,6 +33,7 @@ from vegas_core.loading import LoadedModel
 from vegas_core.prefill import (PrefixCache, ProgressFn, check_lengths, encode_prompts,
                                 prefill, sync)
 from vegas_core.sampling import SamplingParams, choose_tokens
+from vegas_core.schedule import SpecSchedule
 from vegas_core.speculative import SpeculativeSession
 
 if TYPE_CHECKING:
@@ -240,7 +241,7 @@ def generate(
     prompts: Sequence[str] | Sequence[Sequence[int]],
     max_new_tokens: int = 128,
     *,
-    spec: "SpecConfig | None" = None,
+    spec: "SpecConfig | SpecSchedule | None" = None,
     temperature: float = 0.0,
     top_p: float = 1.0,
     top_k: int = 0,
@@ -253,9 +254,11 @@ def generate(
     """Generate up to ``max_new_tokens`` per prompt.
 
     ``spec=None`` decodes plainly (vanilla); a ``SpecConfig`` decodes self-speculatively
-    with its drafter, losslessly. Greedy when ``temperature`` is 0; otherwise sampling
-    after top-k and top-p with a generator seeded by ``seed``. A sequence stops at its
-    first EOS token unless ``ignore_eos``; the batch stops when all have.
+    with its drafter, losslessly; a ``SpecSchedule`` (a tuned profile's) decodes with its
+    entry for the batch size, ``len(prompts)``. Greedy when ``temperature`` is 0;
+    otherwise sampling after top-k and top-p with a generator seeded by ``seed``. A
+    sequence stops at its first EOS token unless ``ignore_eos``; the batch stops when
+    all have.
     ``prefill_chunk``: rows of one prompt per prefill forward (default: whole prompts
     where memory allows). ``prefix_cache`` reuses prompt K/V across calls (see
     ``PrefixCache``; a model's kept cache also remembers its rows' prompts).
@@ -265,6 +268,8 @@ def generate(
         raise VegasError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
     prompt_ids = encode_prompts(model, prompts)
     check_lengths(model, prompt_ids, max_new_tokens)
+    if isinstance(spec, SpecSchedule):
+        spec = spec.for_batch(len(prompt_ids))
     dev = model.device
     eos = set() if ignore_eos or model.tokenizer is None else set(model.tokenizer.eos_token_ids)
 

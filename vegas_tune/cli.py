@@ -24,11 +24,11 @@ from typing import Any, Optional
 import typer
 from rich.console import Console
 
-from vegas_core.cli import run_app, show_defaults
+from vegas_core.cli import EXIT_INTERRUPTED, run_app, show_defaults
 from vegas_core.errors import VegasError
 from vegas_tune.preflight import check_device, check_tune, check_values, flag
 from vegas_tune.progress import ProgressReporter
-from vegas_tune.tuner import TuneOptions, parse_ctx, sparsity_grid
+from vegas_tune.tuner import TuneOptions, batch_sizes, parse_ctx, sparsity_grid
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
                   help="Tune Vegas self-speculative decoding for a model, GPU and context "
@@ -61,10 +61,10 @@ TUNE_DEFAULTS: dict[str, tuple[Any, Any]] = {
     "resume": (False, "bool"),
     "time_budget": (None, float),
     "seed": (0, int),
-    "batch_size": (1, int),
+    "batch_size": ("1", batch_sizes),
     "max_new_tokens": (64, int),
     "temperature": (0.0, float),
-    "num_prompts": (None, int),  # None: the batch size, at least MIN_PROMPTS
+    "num_prompts": (None, int),  # None: the smallest batch size, at least MIN_PROMPTS
     "probe_gamma": (8, int),
     "gamma_max": (8, int),
     "sparsity_grid": ("0.01,0.02,0.05,0.1,0.2,0.3", sparsity_grid),
@@ -86,7 +86,7 @@ DEFAULT_DESCRIPTIONS = {
     "storage": "<profile>.optuna.journal beside the profile",
     "study_name": "<model>-<gpu>-<ctx>",
     "time_budget": "no limit",
-    "num_prompts": f"the batch size, at least {MIN_PROMPTS}",
+    "num_prompts": f"the smallest batch size, at least {MIN_PROMPTS}",
 }
 
 
@@ -149,8 +149,8 @@ def _parse_setting(name: str, parse: Any, value: Any, label: str) -> Any:
             return _parse_int(value)
         if parse is float:
             return _parse_float(value)
-        if parse is sparsity_grid and isinstance(value, (list, tuple)):
-            value = ",".join(map(str, value))  # a YAML list of ratios
+        if parse in (sparsity_grid, batch_sizes) and isinstance(value, (list, tuple)):
+            value = ",".join(map(str, value))  # a YAML list of ratios or sizes
         return parse(value if parse is not Path else str(value))
     except VegasError as e:
         # The parsers name the flag; a value from elsewhere names its own source.
@@ -240,7 +240,7 @@ def tune(
     new_study: Optional[bool] = typer.Option(None, "--new-study", help="Discard the study of this name in the storage and start over."),
     time_budget: Optional[float] = typer.Option(None, help="Seconds for the whole run."),
     seed: Optional[int] = typer.Option(None, help="Seed for samplers and sampling."),
-    batch_size: Optional[int] = typer.Option(None, help="Sequences decoded together."),
+    batch_size: Optional[str] = typer.Option(None, help="Sequences decoded together; a comma-separated list (1,16,64,128,256) tunes each size and writes a schedule."),
     max_new_tokens: Optional[int] = typer.Option(None, help="Tokens generated per prompt."),
     temperature: Optional[float] = typer.Option(None, help="0 = greedy."),
     num_prompts: Optional[int] = typer.Option(None, help="Prompts per trial; a last batch they do not fill is filled by wrapping around."),
@@ -268,7 +268,7 @@ def tune(
     # tuning: a bad value must not surface after step 1 has run.
     check_values(s, s.labels)
     if s["num_prompts"] is None:
-        s["num_prompts"] = max(MIN_PROMPTS, s["batch_size"])
+        s["num_prompts"] = max(MIN_PROMPTS, s["batch_size"][0])
     _setup_logging(s["log_level"], debug)
     options = TuneOptions(probe_gamma=s["probe_gamma"], gamma_max=s["gamma_max"],
                           sparsity_grid=s["sparsity_grid"], tolerance=s["tolerance"],
@@ -279,7 +279,7 @@ def tune(
     settings = TuneSettings(
         model=s["model"], ctx=s["ctx"], dataset=s["dataset"], out=s["out"], device=s["device"],
         dtype=s["dtype"], storage=s["storage"], study_name=s["study_name"], resume=s["resume"],
-        seed=s["seed"], batch_size=s["batch_size"], max_new_tokens=s["max_new_tokens"],
+        seed=s["seed"], batch_sizes=s["batch_size"], max_new_tokens=s["max_new_tokens"],
         temperature=s["temperature"], num_prompts=s["num_prompts"], options=options,
         command="vegas-tune " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
         new_study=s["new_study"])
@@ -297,15 +297,27 @@ def tune(
         print(json.dumps(summary, indent=1))
     else:
         _print_summary(summary)
+    if code == EXIT_INTERRUPTED:
+        log.warning("interrupted: the profile holds what the finished trials support; they "
+                    "are kept in the storage: rerun with --resume to finish the run")
     return code
 
 
 def _print_summary(summary: dict) -> None:
     r, t = summary["results"], summary["tuned"]
-
     verdict = ("recommended" if summary["recommended"] else
                "NOT recommended: the speedup's 95% interval does not lie above 1")
-    stderr.print(f"profile: {summary['profile']} ({verdict})")
+    stderr.print(f"profile: {summary['profile']} ({verdict} at batch "
+                 f"{summary['schedule'][-1]['batch_size']})")
+    if len(summary["schedule"]) > 1:
+        for entry in summary["schedule"]:
+            config = entry["config"]
+            what = ("vanilla" if config == "vanilla" else
+                    f"{config['drafter']} gamma {config['gamma']}, sparsity "
+                    f"{config['sparsity_ratio']}")
+            stderr.print(f"  batch {entry['batch_min']}-{entry['batch_max']}: {what} "
+                         f"(measured at {entry['batch_size']}: speedup "
+                         f"{_result_words(entry, 'speedup', 'x', 2)})")
     stderr.print(f"tuned: gamma {t['gamma']}, sparsity {t['sparsity_ratio']}, min_tokens "
                  f"{t['min_tokens']}, score {t['score']}, window {t['window']}")
     stderr.print(f"speedup {_result_words(r, 'speedup', 'x', 2)} over vanilla, "
@@ -314,15 +326,28 @@ def _print_summary(summary: dict) -> None:
     stderr.print(f"{_result_words(r, 'tokens_per_second', ' tok/s', 1)} vs vanilla "
                  f"{_result_words(r, 'vanilla_tokens_per_second', ' tok/s', 1)}; mean "
                  f"accepted length {r['mean_accepted_length']:.2f}")
-    stderr.print(f"report: {summary['files']['report']}")
+    for item in summary["not_tuned"]:
+        stderr.print(f"not tuned: batch {item['batch_size']}: {item['reason']}")
+    for line in summary["cut_short"]:
+        stderr.print(f"cut short: {line}")
+    stderr.print(f"report: {summary['files']['report']} ({summary['duration_seconds']:.0f} s)")
 
 
 def _result_words(results: dict, name: str, unit: str, digits: int) -> str:
-    """``1.42x [1.38, 1.46]``: a profile result with its confidence interval."""
+    """``1.42x [1.38, 1.46]``: a profile result with its confidence interval; ``1.42x
+    (1 round)`` where it has none (one round), ``not measured`` where it has no value (a
+    run cut short)."""
     from vegas_tune.stats import Estimate
 
-    low, high = results[f"{name}_interval"]
-    return Estimate(results[name], low, high, results["rounds"]).words(unit, digits)
+    value, interval = results.get(name), results.get(f"{name}_interval")
+    if value is None:
+        return "not measured"
+    rounds = results.get("rounds")
+    if interval is None:
+        count = "" if rounds is None else f" ({rounds} round{'' if rounds == 1 else 's'})"
+        return f"{value:.{digits}f}{unit}{count}"
+    low, high = interval
+    return Estimate(value, low, high, rounds or 0).words(unit, digits)
 
 
 @app.command()

@@ -1,14 +1,20 @@
 """Deployment exports of a tuned profile: vLLM serve settings and this engine's own.
 
 vLLM: the Vegas authors' vLLM fork adds a ``sparse_attn`` speculative method. Its
-speculative config carries gamma, the sparsity ratio and the minimum budget; the fork has
-no setting for ``collect``, ``score``, ``granularity`` or ``window`` (it ranks tokens by
-softmax weights), so those stay with this engine. Stock vLLM rejects the fork's keys.
+speculative config carries gamma, the sparsity ratio and the minimum budget, and it
+validates them: ``num_speculative_tokens`` > 0, 0 < ``sparse_attn_ratio`` < 1 (strictly:
+a ratio of 1, dense drafts, is not servable there), no unknown keys. The fork has no
+setting for ``collect``, ``score``, ``granularity`` or ``window``: it collects the first
+and last verify rows over all query heads into one top-k per layer, ranks by softmax
+weights (a code constant), and reserves no sink/window share. It sizes its score buffer
+from ``max_num_seqs`` x ``max_model_len``, so the serve config sets both: the served
+concurrency and the tuned context plus new tokens.
 
-vegas: the keyword arguments of ``vegas_core.SpecConfig`` for the same settings.
-
-A profile with ``recommended: false`` measured no reliable gain over vanilla decoding, so
-``render_export`` exports vanilla decoding unless told to ``force`` the tuned settings:
+A profile holds one schedule entry per tuned batch size; the export serves one
+concurrency (``serve_batch``, by default the largest tuned size) with the entry whose
+range holds it. Where that entry is ``vanilla`` (nothing beat vanilla decoding there),
+``render_export`` exports vanilla decoding unless told to ``force`` the entry's measured
+speculative settings:
 
 - vllm, yaml: the serve config without its ``speculative-config`` key (a ``# `` comment
   says why); vllm, json: ``null``, which ``--speculative-config`` reads as "no
@@ -17,7 +23,8 @@ A profile with ``recommended: false`` measured no reliable gain over vanilla dec
   ``vegas_core.generate`` decodes plainly (``SpecConfig(**settings)`` on it fails loudly
   rather than speculating with defaults).
 
-``recommendation_note`` gives the one line the CLI prints on stderr in that case.
+vegas: the keyword arguments of ``vegas_core.SpecConfig`` for the same settings.
+``recommendation_note`` gives the one line the CLI prints on stderr for a vanilla entry.
 """
 
 from __future__ import annotations
@@ -28,34 +35,38 @@ from typing import Any
 import yaml
 
 from vegas_core.errors import VegasError
-from vegas_tune.profile import Exports, Profile, Tuned, VllmExport
+from vegas_tune.profile import VANILLA, Exports, Profile, ScheduleEntry, Tuned, VllmExport
 
 VLLM_TARGET = "vllm-sparse-attn-fork"
 VLLM_NOTE = (
     "These keys are for the Vegas authors' vLLM fork (speculative method 'sparse_attn'); "
-    "stock vLLM (e.g. 0.33) rejects unknown speculative keys (its config forbids extra "
-    "fields). Only gamma, sparsity ratio and min_tokens carry over: the fork has no setting "
-    "for collect, score, granularity or window, and ranks tokens by softmax weights."
+    "stock vLLM rejects unknown speculative keys (its config forbids extra fields). Only "
+    "gamma, sparsity ratio and min_tokens carry over: the fork's score mode is a code "
+    "constant (softmax weights), and it fixes collection (first and last verify rows), "
+    "granularity (one top-k per layer) and window (none)."
 )
 
 VLLM_METHOD = "sparse_attn"
 VLLM_ALGORITHM = "vegas"
 # The key `vllm serve --config file.yaml` reads the speculative settings from.
 VLLM_SPECULATIVE_KEY = "speculative-config"
+# The fork's defaults for what it cannot be told; a tuned value that differs is named.
+FORK_FIXED = {"score": "weight", "collect": "two", "granularity": "layer", "window": 0.0}
 # Indentation of the JSON that `--speculative-config` takes: readable when pasted.
 JSON_INDENT = 2
 
 EXPORT_TARGETS = ("vllm", "vegas")
 EXPORT_FORMATS = ("yaml", "json")
 
-# What a not-recommended profile exports by default: no speculative settings at all.
-VANILLA_NOTE = ("Not recommended: the tuned settings did not beat vanilla decoding reliably, "
-                "so this config has no speculative decoding.")
+# What a vanilla entry exports by default: no speculative settings at all.
 VANILLA_TEXT = "null\n"
 
 
-def vllm_speculative_config(tuned: Tuned) -> dict[str, Any]:
-    """The fork's speculative config for ``tuned`` (what ``--speculative-config`` takes)."""
+def vllm_speculative_config(tuned: Tuned) -> dict[str, Any] | None:
+    """The fork's speculative config for ``tuned`` (what ``--speculative-config`` takes);
+    None for a sparsity ratio of 1, which the fork refuses (it needs 0 < ratio < 1)."""
+    if not tuned.sparsity_ratio < 1.0:
+        return None
     return {
         "method": VLLM_METHOD,
         "num_speculative_tokens": tuned.gamma,
@@ -65,10 +76,31 @@ def vllm_speculative_config(tuned: Tuned) -> dict[str, Any]:
     }
 
 
-def vllm_serve_config(model_id: str, tuned: Tuned) -> dict[str, Any]:
-    """The mapping ``vllm serve --config file.yaml`` takes: the model and its speculative
-    config, nested under ``speculative-config``."""
-    return {"model": model_id, VLLM_SPECULATIVE_KEY: vllm_speculative_config(tuned)}
+def vllm_serve_config(model_id: str, tuned: Tuned | None, max_num_seqs: int,
+                      max_model_len: int) -> dict[str, Any]:
+    """The mapping ``vllm serve --config file.yaml`` takes: the model, the concurrency and
+    context the fork sizes its buffers for, and the speculative config nested under
+    ``speculative-config`` (absent for ``tuned`` None or a config the fork refuses)."""
+    serve: dict[str, Any] = {"model": model_id, "max-num-seqs": max_num_seqs,
+                             "max-model-len": max_model_len}
+    speculative = vllm_speculative_config(tuned) if tuned is not None else None
+    if speculative is not None:
+        serve[VLLM_SPECULATIVE_KEY] = speculative
+    return serve
+
+
+def vllm_note(tuned: Tuned) -> str:
+    """``VLLM_NOTE``, plus what of ``tuned`` the fork will not do as measured here."""
+    if vllm_speculative_config(tuned) is None:
+        return (f"{VLLM_NOTE} This configuration drafts densely (sparsity ratio "
+                f"{tuned.sparsity_ratio:g}); the fork needs 0 < ratio < 1, so there is no "
+                "speculative config.")
+    differs = [f"{name} {getattr(tuned, name)!r} (fork: {fixed!r})"
+               for name, fixed in FORK_FIXED.items() if getattr(tuned, name) != fixed]
+    if not differs:
+        return VLLM_NOTE
+    return (f"{VLLM_NOTE} Tuned here with {', '.join(differs)}: the fork's acceptance and "
+            "selection cost may differ from this profile's figures.")
 
 
 def engine_settings(tuned: Tuned) -> dict[str, Any]:
@@ -85,18 +117,45 @@ def engine_settings(tuned: Tuned) -> dict[str, Any]:
     }
 
 
-def build_exports(model_id: str, tuned: Tuned) -> Exports:
-    """The ``exports`` section of a profile for ``tuned`` served as ``model_id``."""
-    speculative = vllm_speculative_config(tuned)
+def speculative_json(tuned: Tuned | None) -> str:
+    """The ``--speculative-config`` JSON for ``tuned``; ``null`` when there is none."""
+    speculative = vllm_speculative_config(tuned) if tuned is not None else None
+    return json.dumps(speculative, indent=JSON_INDENT)
+
+
+def build_exports(model_id: str, tuned: Tuned, max_num_seqs: int, max_model_len: int) -> Exports:
+    """The ``exports`` section of a profile: ``tuned`` served as ``model_id`` at
+    ``max_num_seqs`` sequences of up to ``max_model_len`` positions."""
     return Exports(
         vllm=VllmExport(
             target=VLLM_TARGET,
-            note=VLLM_NOTE,
-            serve_config=vllm_serve_config(model_id, tuned),
-            speculative_config_json=json.dumps(speculative, indent=JSON_INDENT),
+            note=vllm_note(tuned),
+            serve_config=vllm_serve_config(model_id, tuned, max_num_seqs, max_model_len),
+            speculative_config_json=speculative_json(tuned),
         ),
         vegas=engine_settings(tuned),
     )
+
+
+def max_model_len(profile: Profile) -> int:
+    """Positions a served sequence needs: the tuned context plus the new tokens."""
+    return profile.workload.ctx + profile.workload.max_new_tokens
+
+
+def served_entry(profile: Profile, serve_batch: int | None) -> tuple[int, ScheduleEntry]:
+    """(the served concurrency, the schedule entry for it). ``serve_batch`` None means
+    the largest tuned size; a size outside 1 .. that size is refused (``VegasError``)."""
+    largest = profile.headline.batch_size
+    if serve_batch is None:
+        return largest, profile.headline
+    if not 1 <= serve_batch <= largest:
+        sizes = ", ".join(str(e.batch_size) for e in profile.schedule)
+        # Only a size above the largest can be fixed by tuning further.
+        retune = (f", or re-tune with --batch-size up to {serve_batch}"
+                  if serve_batch > largest else "")
+        raise VegasError(f"--serve-batch {serve_batch} lies outside the tuned sizes ({sizes}); "
+                         f"give 1 to {largest}{retune}")
+    return serve_batch, profile.entry_for(serve_batch)
 
 
 def _yaml(data: Any) -> str:
@@ -112,16 +171,18 @@ def _comment(text: str) -> str:
     return "".join(f"# {line}\n" for line in text.splitlines())
 
 
-def render_export(profile: Profile, target: str, fmt: str, force: bool = False) -> str:
-    """Render one of the profile's stored exports as text.
+def render_export(profile: Profile, target: str, fmt: str, force: bool = False,
+                  serve_batch: int | None = None) -> str:
+    """Render the serving settings for ``serve_batch`` concurrent sequences (default: the
+    largest tuned size) as text, from the schedule entry for that size.
 
-    target ``vllm``: fmt ``yaml`` gives the serve config for ``vllm serve --config``,
-    preceded by the note as a ``# `` comment; fmt ``json`` gives the speculative config
-    JSON that ``--speculative-config`` takes on the command line.
+    target ``vllm``: fmt ``yaml`` gives the serve config for ``vllm serve --config``
+    (with ``max-num-seqs`` = ``serve_batch``), preceded by the note as a ``# `` comment;
+    fmt ``json`` gives the speculative config JSON that ``--speculative-config`` takes.
     target ``vegas``: this engine's settings as YAML or JSON.
-    A profile that is not recommended renders vanilla decoding instead (see the module
-    docstring) unless ``force`` is true.
-    An unknown target or format raises ``VegasError`` naming the allowed values.
+    An entry that runs vanilla renders vanilla decoding instead (see the module
+    docstring) unless ``force`` is true. An unknown target or format, or a
+    ``serve_batch`` outside the tuned sizes, raises ``VegasError``.
     """
     if target not in EXPORT_TARGETS:
         raise VegasError(f"unknown export target '{target}'; choose one of: "
@@ -129,37 +190,47 @@ def render_export(profile: Profile, target: str, fmt: str, force: bool = False) 
     if fmt not in EXPORT_FORMATS:
         raise VegasError(f"unknown export format '{fmt}'; choose one of: "
                          f"{', '.join(EXPORT_FORMATS)}")
-    if not profile.recommended and not force:
-        return _render_vanilla(profile, target, fmt)
+    batch, entry = served_entry(profile, serve_batch)
+    tuned = entry.speculative if force or entry.config != VANILLA else None
     if target == "vllm":
-        vllm = profile.exports.vllm
-        if fmt == "yaml":
-            return _comment(vllm.note) + _yaml(vllm.serve_config)
-        return vllm.speculative_config_json.rstrip("\n") + "\n"
-    settings = profile.exports.vegas
+        model_id = profile.exports.vllm.serve_config["model"]
+        serve = vllm_serve_config(model_id, tuned, batch, max_model_len(profile))
+        if fmt == "json":
+            return speculative_json(tuned) + "\n"
+        note = vllm_note(tuned) if tuned is not None else _vanilla_note(entry, batch)
+        return _comment(note) + _yaml(serve)
+    if tuned is None:
+        return _comment(_vanilla_note(entry, batch)) + VANILLA_TEXT if fmt == "yaml" else VANILLA_TEXT
+    settings = engine_settings(tuned)
     return _yaml(settings) if fmt == "yaml" else _json(settings)
 
 
-def _render_vanilla(profile: Profile, target: str, fmt: str) -> str:
-    if target == "vllm" and fmt == "yaml":
-        serve = {key: value for key, value in profile.exports.vllm.serve_config.items()
-                 if key != VLLM_SPECULATIVE_KEY}
-        return _comment(VANILLA_NOTE) + _yaml(serve)
-    if fmt == "yaml":
-        return _comment(VANILLA_NOTE) + VANILLA_TEXT
-    return VANILLA_TEXT
+def _vanilla_note(entry: ScheduleEntry, batch: int) -> str:
+    return (f"Vanilla decoding at {batch} concurrent sequences: no speculative configuration "
+            f"beat it reliably there (measured at batch {entry.batch_size}: "
+            f"{_speedup_words(entry)}), so this config has no speculative decoding.")
 
 
-def recommendation_note(profile: Profile, source: str, force: bool) -> str | None:
-    """The one stderr line ``export`` prints for a profile that is not recommended (what
-    was exported, and why); None for a recommended profile."""
-    if profile.recommended:
-        return None
-    r = profile.results
+def _speedup_words(entry: ScheduleEntry) -> str:
+    r = entry.results
+    if r.speedup is None:
+        return "not measured against vanilla"
+    if r.speedup_interval is None:
+        return f"speedup {r.speedup:.2f}x, one round"
     low, high = r.speedup_interval
-    why = (f"{source} is not recommended (speedup {r.speedup:.2f}x, interval "
-           f"[{low:.2f}, {high:.2f}])")
+    return f"speedup {r.speedup:.2f}x, interval [{low:.2f}, {high:.2f}]"
+
+
+def recommendation_note(profile: Profile, source: str, force: bool,
+                        serve_batch: int | None = None) -> str | None:
+    """The one stderr line ``export`` prints when the served entry runs vanilla (what was
+    exported, and why); None when it runs speculatively."""
+    batch, entry = served_entry(profile, serve_batch)
+    if entry.config != VANILLA:
+        return None
+    why = (f"{source} runs vanilla at batch {batch} (measured at {entry.batch_size}: "
+           f"{_speedup_words(entry)})")
     if force:
-        return f"note: {why}: exporting the tuned settings anyway, as --force asks"
+        return f"note: {why}: exporting the measured speculative settings anyway, as --force asks"
     return (f"warning: {why}: exporting vanilla decoding; pass --force to export the "
-            "tuned settings")
+            "measured speculative settings")

@@ -20,10 +20,14 @@ from vegas_tune.datasets import dataset_fingerprint, load_prompts
 from vegas_tune.export import build_exports
 from vegas_tune.hardware import fingerprint, gpu_slug
 from vegas_tune.measure import Measurer, Workload
-from vegas_tune.profile import (SCHEMA_VERSION, Tuned, load_profile, profile_from_dict,
-                                profile_to_dict, write_profile)
-from vegas_tune.report import (plot_acceptance_vs_sparsity, plot_throughput_vs_gamma,
-                               write_report, write_trials_table)
+from vegas_tune.profile import (SCHEMA_VERSION, VANILLA, Tuned, load_profile,
+                                profile_from_dict, profile_to_dict, write_profile)
+from vegas_tune.report import (plot_acceptance_vs_sparsity,
+                               plot_throughput_vs_gamma, write_report, write_trials_table)
+try:  # TEMP
+    from vegas_tune.report import plot_throughput_vs_batch
+except ImportError:  # TEMP
+    def plot_throughput_vs_batch(p, path): pass  # TEMP
 from vegas_tune.progress import ProgressCallback
 from vegas_tune.stats import CONFIDENCE
 from vegas_tune.preflight import check_values
@@ -32,6 +36,7 @@ from vegas_tune.tuner import TuneOptions, Tuner, check_study, ctx_label, warn_if
 log = logging.getLogger("vegas_tune")
 
 EXIT_NOT_RECOMMENDED = 3
+EXIT_INTERRUPTED = 130
 HASH_CHUNK = 1 << 24
 
 
@@ -47,7 +52,7 @@ class TuneSettings:
     study_name: str | None
     resume: bool
     seed: int
-    batch_size: int
+    batch_sizes: tuple[int, ...]  # ascending
     max_new_tokens: int
     temperature: float
     num_prompts: int
@@ -101,7 +106,9 @@ def default_out(settings: TuneSettings, hardware: dict) -> Path:
 
 def run_tune(settings: TuneSettings,
              progress: ProgressCallback | None = None) -> tuple[dict, int]:
-    """Tune, write every file, and return (summary, exit code)."""
+    """Tune, write every file, and return (summary, exit code): 0 when the largest tuned
+    batch size runs speculatively, 3 when it runs vanilla, 130 when Ctrl-C cut the run
+    short (the profile is written all the same, from the finished trials)."""
     started = datetime.datetime.now(datetime.timezone.utc)
     t0 = time.monotonic()
     hardware = fingerprint(settings.device)
@@ -113,11 +120,12 @@ def run_tune(settings: TuneSettings,
     check_study(None, storage, study_name, resume=settings.resume, new_study=settings.new_study,
                 fingerprint=settings_fingerprint(settings, hardware))
     # The CLI has checked these with the names they came from; callers of this API have not.
-    check_values({**vars(settings.options), "batch_size": settings.batch_size,
+    check_values({**vars(settings.options), "batch_size": settings.batch_sizes,
                   "max_new_tokens": settings.max_new_tokens,
                   "num_prompts": settings.num_prompts, "temperature": settings.temperature})
-    batches = -(-settings.num_prompts // settings.batch_size)
-    warn_if_hard_to_time(batches * settings.batch_size * settings.max_new_tokens)
+    smallest = settings.batch_sizes[0]
+    batches = -(-settings.num_prompts // smallest)
+    warn_if_hard_to_time(batches * smallest * settings.max_new_tokens)
     log.info("loading %s", settings.model)
     model = load_model(settings.model, device=settings.device, dtype=settings.dtype)
     if model.tokenizer is None:
@@ -128,26 +136,25 @@ def run_tune(settings: TuneSettings,
                          f"exceeds {model.spec}'s maximum of {limit} positions; lower --ctx")
     prompts = load_prompts(model.tokenizer, settings.dataset, settings.ctx,
                            settings.num_prompts, settings.seed)
-    workload = Workload(prompts, settings.batch_size, settings.max_new_tokens,
-                        settings.temperature, settings.seed)
-    log.info("model %s on %s; %d prompts of %d tokens from %s; study %s in %s", model.label,
-             hardware.get("gpu_name") or "CPU", len(prompts), settings.ctx, settings.dataset,
-             study_name, storage)
+    measurers = {size: Measurer(model, Workload(prompts, size, settings.max_new_tokens,
+                                                settings.temperature, settings.seed))
+                 for size in settings.batch_sizes}
+    log.info("model %s on %s; %d prompts of %d tokens from %s; batch sizes %s; study %s in %s",
+             model.label, hardware.get("gpu_name") or "CPU", len(prompts), settings.ctx,
+             settings.dataset, ", ".join(map(str, settings.batch_sizes)), study_name, storage)
     fp = {**settings_fingerprint(settings, hardware),
           "dtype": str(model.dtype).removeprefix("torch."),
           "dataset_sha256": dataset_fingerprint(prompts)}
-    tuner = Tuner(Measurer(model, workload), storage, study_name, settings.options,
+    tuner = Tuner(measurers, storage, study_name, settings.options,
                   resume=settings.resume, new_study=False, fingerprint=fp, progress=progress)
     result = tuner.run()
+    for line in result.cut_short:
+        log.warning("cut short: %s", line)
 
-    chosen, vanilla, streaming = (result.baselines[k] for k in ("chosen", "vanilla", "streaming"))
-    # Recommended only when the whole interval of the speedup lies above 1: a mean above
-    # 1 inside the noise is not a result a deployment can rest on.
-    recommended = chosen["speedup_low"] > 1.0
-    spec = result.spec
-    tuned = dict(drafter=spec.drafter, gamma=spec.gamma, sparsity_ratio=spec.sparsity,
-                 min_tokens=spec.min_tokens, collect=spec.collect, score=spec.score,
-                 granularity=spec.granularity, window=spec.window)
+    schedule = build_schedule(result.sizes, CONFIDENCE)
+    head = schedule[-1]
+    recommended = head["config"] != VANILLA
+    tuned = head["config"] if recommended else head["measured"]
     profile = {
         "schema_version": SCHEMA_VERSION,
         "recommended": recommended,
@@ -155,33 +162,28 @@ def run_tune(settings: TuneSettings,
         "model": {"id": settings.model, "path": str(model.path) if model.path else None,
                   "architecture": model.config.family, "dtype": str(model.dtype).removeprefix("torch."),
                   "weights_sha256": weights_sha256(model.path), "dummy": model.is_dummy},
-        "workload": {"ctx": settings.ctx, "batch_size": settings.batch_size,
+        "workload": {"ctx": settings.ctx, "batch_size": head["batch_size"],
+                     "batch_sizes": list(settings.batch_sizes),
                      "max_new_tokens": settings.max_new_tokens,
                      "temperature": settings.temperature, "dataset": settings.dataset,
                      "dataset_sha256": dataset_fingerprint(prompts),
                      "num_prompts": len(prompts)},
         "hardware": hardware,
-        "results": {
-            **_figure(chosen, "tokens_per_second", "tokens_per_second", 3),
-            **_figure(vanilla, "tokens_per_second", "vanilla_tokens_per_second", 3),
-            **_figure(streaming, "tokens_per_second", "streaming_tokens_per_second", 3),
-            **_figure(chosen, "speedup", "speedup", 4),
-            **_figure(chosen, "speedup_over_streaming", "speedup_over_streaming", 4),
-            "mean_accepted_length": round(chosen["mean_accepted_length"], 4),
-            "acceptance_by_position": [round(a, 4) for a in chosen["acceptance_by_position"]],
-            "selection_overhead": round(chosen["selection_overhead"], 5),
-            "rounds": chosen["rounds"],
-            "confidence": CONFIDENCE,
-        },
-        "steps": [{"name": s.name, "study": s.study, "trials": s.trials, "chosen": s.chosen,
-                   "notes": s.notes, "predictions": s.predictions,
-                   "within_noise": s.within_noise} for s in result.steps],
+        "results": head["results"],
+        "schedule": schedule,
+        "not_tuned": [{"batch_size": b, "reason": why} for b, why in result.not_tuned],
+        "cut_short": result.cut_short,
+        "steps": [{"name": s.name, "study": s.study, "batch_size": s.batch_size,
+                   "trials": s.trials, "chosen": s.chosen, "notes": s.notes,
+                   "predictions": s.predictions, "within_noise": s.within_noise}
+                  for s in result.steps],
         "provenance": {"tool_version": engine_version, "git_revision": git_revision(),
                        "command": settings.command, "started": started.isoformat(timespec="seconds"),
                        "duration_seconds": round(time.monotonic() - t0, 1),
                        "engine_path": attention_backend(model.device)},
-        "exports": build_exports(HUB_IDS.get(settings.model, settings.model),
-                                 Tuned(**tuned)).model_dump(),
+        "exports": build_exports(HUB_IDS.get(settings.model, settings.model), Tuned(**tuned),
+                                 head["batch_size"],
+                                 settings.ctx + settings.max_new_tokens).model_dump(),
     }
     validated = profile_from_dict(profile, source=str(out))
     previous = previous_profile(out)
@@ -190,15 +192,66 @@ def run_tune(settings: TuneSettings,
     paths["profile"] = str(out)
     paths["storage"] = storage
     summary = {"profile": str(out), "recommended": recommended, "tuned": tuned,
-               "results": profile["results"], "files": paths}
+               "results": profile["results"],
+               "schedule": [{k: e[k] for k in ("batch_min", "batch_max", "batch_size", "config")}
+                            | {"speedup": e["results"]["speedup"],
+                               "speedup_interval": e["results"]["speedup_interval"]}
+                            for e in schedule],
+               "not_tuned": profile["not_tuned"], "cut_short": result.cut_short,
+               "duration_seconds": profile["provenance"]["duration_seconds"], "files": paths}
+    if result.interrupted:
+        return summary, EXIT_INTERRUPTED
     return summary, 0 if recommended else EXIT_NOT_RECOMMENDED
 
 
-def _figure(attrs: dict, name: str, as_name: str, digits: int) -> dict:
-    """``{as_name: mean, as_name_interval: [low, high]}`` from a trial's attributes."""
-    return {as_name: round(attrs[name], digits),
-            f"{as_name}_interval": [round(attrs[f"{name}_low"], digits),
-                                    round(attrs[f"{name}_high"], digits)]}
+def build_schedule(sizes: list, confidence: float) -> list[dict]:
+    """Schedule entries (profile data) from the tuner's per-size results, ascending.
+
+    A live batch size uses the entry measured at the largest tuned size at or below it
+    (the first entry also covers the sizes below it): speculation pays more as the batch
+    grows, so this errs towards vanilla between measured sizes. An entry runs its
+    configuration only when the speedup's whole interval lies above 1."""
+    entries = []
+    for index, size in enumerate(sizes):
+        following = sizes[index + 1].batch_size - 1 if index + 1 < len(sizes) else size.batch_size
+        tuned = tuned_settings(size.spec)
+        results = {**size.figures, "confidence": confidence}
+        interval = results["speedup_interval"]
+        wins = interval is not None and interval[0] > 1.0
+        entries.append({
+            "batch_min": 1 if index == 0 else entries[-1]["batch_max"] + 1,
+            "batch_max": following, "batch_size": size.batch_size,
+            "config": tuned if wins else VANILLA,
+            **({} if wins else {"measured": tuned}),
+            "results": results, "reason": schedule_reason(size.spec, results, wins)})
+    return entries
+
+
+def tuned_settings(spec) -> dict:
+    """A ``SpecConfig`` as the profile's ``Tuned`` mapping (``sparsity_ratio``)."""
+    return dict(drafter=spec.drafter, gamma=spec.gamma, sparsity_ratio=spec.sparsity,
+                min_tokens=spec.min_tokens, collect=spec.collect, score=spec.score,
+                granularity=spec.granularity, window=spec.window)
+
+
+def schedule_reason(spec, results: dict, wins: bool) -> str:
+    """One sentence: why this entry runs what it runs."""
+    what = (f"{spec.drafter} gamma {spec.gamma}, sparsity {spec.sparsity:g}, score "
+            f"{spec.score}, window {spec.window:g}")
+    speedup, interval = results["speedup"], results["speedup_interval"]
+    if speedup is None:
+        return (f"vanilla: the best configuration found ({what}) was not measured against "
+                "vanilla before the run was cut short")
+    if interval is None:
+        return (f"vanilla: {what} measured {speedup:.2f}x vanilla once, with no interval to "
+                "rest a recommendation on (the run was cut short)")
+    words = f"{speedup:.2f}x [{interval[0]:.2f}, {interval[1]:.2f}]"
+    if wins:
+        streaming = results.get("speedup_over_streaming")
+        beside = f", {streaming:.2f}x streaming" if streaming is not None else ""
+        return f"{what}: {words} vanilla{beside}; the whole interval lies above 1"
+    side = "below 1" if interval[1] < 1.0 else "not wholly above 1"
+    return f"vanilla: the best speculative configuration ({what}) measured {words}, {side}"
 
 
 def settings_fingerprint(settings: TuneSettings, hardware: dict) -> dict:
@@ -209,7 +262,7 @@ def settings_fingerprint(settings: TuneSettings, hardware: dict) -> dict:
     o = settings.options
     return {"model": settings.model, "device": hardware.get("gpu_name") or "cpu",
             "ctx": settings.ctx, "dataset": settings.dataset, "num_prompts": settings.num_prompts,
-            "batch_size": settings.batch_size, "max_new_tokens": settings.max_new_tokens,
+            "batch_sizes": list(settings.batch_sizes), "max_new_tokens": settings.max_new_tokens,
             "temperature": settings.temperature, "seed": settings.seed,
             "probe_gamma": o.probe_gamma, "gamma_max": o.gamma_max,
             "sparsity_grid": sorted(set(o.sparsity_grid)), "tolerance": o.tolerance,
@@ -230,12 +283,12 @@ def previous_profile(out: Path) -> dict | None:
 
 def write_artifacts(profile: dict, result, stem: Path,
                     previous: dict | None = None) -> dict[str, str]:
-    """The trials table, the two plots and the Markdown report beside the profile
+    """The trials table, the three plots and the Markdown report beside the profile
     (comparing with ``previous``, the profile replaced, when given).
 
     ``stem`` is the profile's path without its ``.yaml``; every file keeps all of it:
     ``my.v2.yaml`` gets ``my.v2.trials.csv``, ``my.v2.acceptance.png``,
-    ``my.v2.throughput.png`` and ``my.v2.report.md``. ``profile`` is the validated
+    ``my.v2.throughput.png``, ``my.v2.batch.png`` and ``my.v2.report.md``. ``profile`` is the validated
     profile as a dict; the plots mark its own tuned values (and step 1's sparsity,
     labelled as such, since step ``refine`` may have moved it), so they agree with it.
     """
@@ -243,7 +296,10 @@ def write_artifacts(profile: dict, result, stem: Path,
         # Not stem.with_suffix: that replaces a dotted stem's last part ("my.v2" -> "my").
         return stem.with_name(stem.name + suffix)
 
-    steps = {step["name"]: step for step in profile["steps"]}
+    head_batch = profile["workload"]["batch_size"]
+    # Step 1 is shared by every size; the gamma plot is the headline size's.
+    steps = {step["name"]: step for step in profile["steps"]
+             if step.get("batch_size") in (None, head_batch)}
     trials_path = write_trials_table(result.trials, beside(".trials.csv"))
     acceptance = beside(".acceptance.png")
     step1_sparsity = (steps.get("sparsity") or {}).get("chosen", {}).get("sparsity")
@@ -251,10 +307,15 @@ def write_artifacts(profile: dict, result, stem: Path,
                                 step1_sparsity=step1_sparsity)
     throughput = beside(".throughput.png")
     predictions = (steps.get("gamma") or {}).get("predictions") or []
+    head_trials = [t for t in result.trials if t.get("batch_size") in (None, head_batch)]
     plot_throughput_vs_gamma(predictions, throughput, tuned=profile["tuned"],
-                             results=profile["results"], trials=result.trials)
+                             results=profile["results"], trials=head_trials)
+    by_batch = beside(".batch.png")
+    plot_throughput_vs_batch(profile, by_batch)
     report = write_report(profile, result.trials, beside(".report.md"),
                           {"acceptance vs sparsity": acceptance.name,
-                           "throughput vs gamma": throughput.name}, previous=previous)
+                           "throughput vs gamma": throughput.name,
+                           "throughput vs batch size": by_batch.name}, previous=previous)
     return {"trials": str(trials_path), "acceptance_plot": str(acceptance),
-            "throughput_plot": str(throughput), "report": str(report)}
+            "throughput_plot": str(throughput), "batch_plot": str(by_batch),
+            "report": str(report)}

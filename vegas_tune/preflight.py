@@ -57,8 +57,11 @@ def check_values(values: Mapping[str, Any], labels: Mapping[str, str] | None = N
         raise VegasError(f"{_label(labels, name)} must be {rule}, got {value(name)}")
 
     for name in POSITIVE_INTS:
-        if value(name) is not None and value(name) < 1:
-            fail(name, ">= 1")
+        # batch_size may be a list of sizes (one tune across batch sizes).
+        given = value(name)
+        for item in given if isinstance(given, (list, tuple)) else [given]:
+            if item is not None and item < 1:
+                raise VegasError(f"{_label(labels, name)} must be >= 1, got {item}")
     for name in GAMMA_SETTINGS:
         if value(name) is not None and value(name) > MAX_GAMMA:
             fail(name, f"<= {MAX_GAMMA} (the most draft tokens the engine accepts)")
@@ -223,7 +226,9 @@ def check_tune(settings, labels: Mapping[str, str] | None = None) -> None:
         raise named(_label(labels, "dataset"), e) from None
     # The verify pass writes gamma + 1 slots past the generated tokens.
     check_model_size(settings.model, device, dtype, ctx=settings.ctx,
-                     max_new_tokens=settings.max_new_tokens, batch_size=settings.batch_size,
+                     max_new_tokens=settings.max_new_tokens,
+                     # Larger sizes that do not fit are recorded as not tuned at run time.
+                     batch_size=min(settings.batch_sizes),
                      extra_tokens=settings.options.gamma_max + 1, labels=labels)
     if settings.out is not None:
         check_out(Path(settings.out).expanduser(), _label(labels, "out"))

@@ -30,21 +30,23 @@ import secrets
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field,
                       PlainValidator, ValidationError, field_validator, model_validator)
 
 from vegas_core.errors import VegasError
+from vegas_core.yamlio import MAX_YAML_BYTES, read_yaml, read_yaml_file  # noqa: F401 (public here too)
 from vegas_core.spec_config import (COLLECT, DRAFTERS, GRANULARITIES, MAX_GAMMA, MAX_WINDOW,
                                     SCORES)
+from vegas_core.schedule import SpecSchedule
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
+# Profiles of this older version are read by upgrading them (``profile_from_dict``).
+UPGRADABLE_VERSION = 2
 
 
-# Profiles are a few KiB; anything this large is not one, and is refused before parsing.
-MAX_YAML_BYTES = 4 * 2**20
 
 # Relative slack when checking low <= value <= high: floating-point sums, and a mean and
 # its interval ends rounded to different digits, can leave a mean a last digit outside.
@@ -170,7 +172,9 @@ class Workload(_Strict):
     """The prompts and decoding settings the measurements used."""
 
     ctx: int = Field(ge=1)
-    batch_size: int = Field(ge=1)
+    batch_size: int = Field(ge=1, description="the largest size tuned: the headline's")
+    batch_sizes: list[Annotated[int, Field(ge=1)]] = Field(
+        min_length=1, description="every batch size asked for, ascending")
     max_new_tokens: int = Field(ge=1)
     temperature: float = Field(ge=0.0)
     dataset: str
@@ -200,27 +204,31 @@ Share = Annotated[float, Field(ge=0.0, le=1.0)]
 
 
 class Results(_Strict):
-    """Measured throughput and acceptance of the tuned settings.
+    """Measured throughput and acceptance of one speculative configuration.
 
     Every throughput and speedup is the mean over ``rounds`` interleaved measurement
-    rounds (tuned, vanilla and streaming measured one after another in each round), with
-    its ``confidence`` interval beside it as ``<name>_interval: [low, high]``. Means are
-    geometric (``vegas_tune.stats``); speedups are means of per-round ratios, so drift
-    between rounds hits both sides of a ratio.
+    rounds (the configuration, vanilla and streaming measured one after another in each
+    round), with its ``confidence`` interval beside it as ``<name>_interval: [low, high]``.
+    Means are geometric (``vegas_tune.stats``); speedups are means of per-round ratios, so
+    drift between rounds hits both sides of a ratio.
+
+    A run cut short (``cut_short`` in the profile) may lack figures: streaming is measured
+    last, and a configuration measured once has no interval. Those are null; with two or
+    more rounds every figure present has its interval.
     """
 
     tokens_per_second: Positive
-    tokens_per_second_interval: Interval
-    vanilla_tokens_per_second: Positive
-    vanilla_tokens_per_second_interval: Interval
-    streaming_tokens_per_second: Positive
-    streaming_tokens_per_second_interval: Interval
-    speedup: Positive
-    speedup_interval: Interval
-    speedup_over_streaming: Positive
-    speedup_over_streaming_interval: Interval
+    tokens_per_second_interval: Interval | None = None
+    vanilla_tokens_per_second: Positive | None = None
+    vanilla_tokens_per_second_interval: Interval | None = None
+    streaming_tokens_per_second: Positive | None = None
+    streaming_tokens_per_second_interval: Interval | None = None
+    speedup: Positive | None = None
+    speedup_interval: Interval | None = None
+    speedup_over_streaming: Positive | None = None
+    speedup_over_streaming_interval: Interval | None = None
     # At least the one token the verify pass always yields; at most gamma + 1 (checked
-    # by Profile, which knows gamma).
+    # where gamma is known).
     mean_accepted_length: float = Field(ge=1.0)
     acceptance_by_position: list[Share]
     selection_overhead: Share
@@ -231,13 +239,94 @@ class Results(_Strict):
     @model_validator(mode="after")
     def _intervals_contain_means(self) -> Results:
         _check_intervals(self)
+        if self.rounds >= 2:
+            for name in type(self).model_fields:
+                if (not name.endswith("_interval") and f"{name}_interval" in type(self).model_fields
+                        and getattr(self, name) is not None
+                        and getattr(self, f"{name}_interval") is None):
+                    raise _FieldProblem((f"{name}_interval",),
+                                        f"missing; {self.rounds} rounds give {name} an interval")
+        return self
+
+    def beats_vanilla(self) -> bool:
+        """The recommendation rule: the speedup's whole interval lies above 1."""
+        return self.speedup_interval is not None and self.speedup_interval[0] > 1.0
+
+
+def _check_acceptance(results: Results, gamma: int, loc: tuple, gamma_name: str) -> None:
+    """Raise ``_FieldProblem`` unless ``results``' acceptance fits ``gamma``."""
+    if len(results.acceptance_by_position) != gamma:
+        raise _FieldProblem(
+            (*loc, "acceptance_by_position"),
+            f"has {len(results.acceptance_by_position)} entries; expected one per draft "
+            f"position, {gamma_name} = {gamma}")
+    if results.mean_accepted_length > gamma + 1:
+        raise _FieldProblem(
+            (*loc, "mean_accepted_length"),
+            f"{results.mean_accepted_length:g} exceeds {gamma_name} + 1 = {gamma + 1}, "
+            "the most one iteration can accept")
+
+
+VANILLA = "vanilla"
+
+
+class ScheduleEntry(_Strict):
+    """What to run for live batch sizes ``batch_min`` to ``batch_max``, measured at
+    ``batch_size``.
+
+    ``config`` is the speculative configuration to run, or ``vanilla`` where none beat
+    vanilla decoding (the speedup's interval does not lie wholly above 1). ``results``
+    always describe a speculative configuration: ``config``'s, or, for a vanilla entry,
+    ``measured``, the best one found at this size, which lost.
+    """
+
+    batch_min: int = Field(ge=1)
+    batch_max: int = Field(ge=1)
+    batch_size: int = Field(ge=1, description="the batch size the results were measured at")
+    config: Tuned | Literal["vanilla"]
+    measured: Tuned | None = None
+    results: Results
+    reason: str = ""
+
+    @property
+    def speculative(self) -> Tuned:
+        """The configuration ``results`` describe."""
+        return self.measured if self.config == VANILLA else self.config
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ScheduleEntry:
+        if not self.batch_min <= self.batch_size <= self.batch_max:
+            raise _FieldProblem(("batch_size",),
+                                f"{self.batch_size} lies outside this entry's range "
+                                f"[{self.batch_min}, {self.batch_max}]")
+        if self.config == VANILLA and self.measured is None:
+            raise _FieldProblem(("measured",), "missing: a vanilla entry names the speculative "
+                                               "configuration its results describe")
+        if self.config != VANILLA and self.measured is not None:
+            raise _FieldProblem(("measured",), "only a vanilla entry has one; remove it")
+        if self.config != VANILLA and not self.results.beats_vanilla():
+            interval = self.results.speedup_interval
+            raise _FieldProblem(("config",),
+                                f"speculative, but the speedup interval {interval} does not lie "
+                                "wholly above 1; the tuner runs vanilla there (config: vanilla)")
+        gamma_name = "measured.gamma" if self.config == VANILLA else "config.gamma"
+        _check_acceptance(self.results, self.speculative.gamma, ("results",), gamma_name)
         return self
 
 
+class NotTuned(_Strict):
+    """A requested batch size with no schedule entry, and why (e.g. out of memory)."""
+
+    batch_size: int = Field(ge=1)
+    reason: str
+
+
 class GammaPrediction(_Strict):
-    """One gamma's predicted throughput, and the measured one where it was run."""
+    """The cost model's throughput for one (gamma, sparsity), and the measured one where
+    it was run (``vegas_tune.costmodel``)."""
 
     gamma: int = Field(ge=1, le=MAX_GAMMA)
+    sparsity_ratio: float | None = Field(default=None, gt=0.0, le=1.0)
     predicted_tokens_per_second: float
     measured_tokens_per_second: Positive | None
     measured_speedup: Positive | None = None
@@ -254,6 +343,8 @@ class StepSummary(_Strict):
 
     name: str
     study: str
+    # The batch size the step measured at; None for a step shared by every size.
+    batch_size: int | None = Field(default=None, ge=1)
     trials: int = Field(ge=0)
     chosen: dict[str, Scalar]
     notes: str = ""
@@ -312,7 +403,13 @@ class Exports(_Strict):
 
 
 class Profile(_Strict):
-    """A complete tuned profile: the root of the YAML document."""
+    """A complete tuned profile: the root of the YAML document.
+
+    ``schedule`` holds one entry per tuned batch size. The headline is its last entry,
+    the largest size: ``tuned`` and ``results`` repeat that entry's speculative
+    configuration and results, ``recommended`` says whether it runs speculatively, and
+    ``exports`` serve it (``vegas-tune export --serve-batch`` picks another entry).
+    """
 
     schema_version: int
     recommended: bool
@@ -321,6 +418,10 @@ class Profile(_Strict):
     workload: Workload
     hardware: Hardware
     results: Results
+    schedule: list[ScheduleEntry] = Field(min_length=1)
+    not_tuned: list[NotTuned] = Field(default_factory=list)
+    # Steps a --time-budget or Ctrl-C stopped before they finished, in words.
+    cut_short: list[str] = Field(default_factory=list)
     steps: list[StepSummary]
     provenance: Provenance
     exports: Exports
@@ -332,77 +433,125 @@ class Profile(_Strict):
             raise ValueError(_version_message(value))
         return value
 
+    @property
+    def headline(self) -> ScheduleEntry:
+        """The schedule's entry for the largest tuned batch size."""
+        return self.schedule[-1]
+
+    def entry_for(self, batch_size: int) -> ScheduleEntry:
+        """The schedule entry whose range holds ``batch_size``; above the last range, the
+        last entry (the largest size measured)."""
+        for entry in self.schedule:
+            if entry.batch_min <= batch_size <= entry.batch_max:
+                return entry
+        return self.schedule[-1]
+
     @model_validator(mode="after")
     def _sections_agree(self) -> Profile:
-        """The checks that span sections: results against gamma, the recommendation
-        against the speedup interval, the exports against ``tuned``."""
-        gamma, results = self.tuned.gamma, self.results
-        if len(results.acceptance_by_position) != gamma:
-            raise _FieldProblem(
-                ("results", "acceptance_by_position"),
-                f"has {len(results.acceptance_by_position)} entries; expected one per draft "
-                f"position, tuned.gamma = {gamma}")
-        if results.mean_accepted_length > gamma + 1:
-            raise _FieldProblem(
-                ("results", "mean_accepted_length"),
-                f"{results.mean_accepted_length:g} exceeds tuned.gamma + 1 = {gamma + 1}, "
-                "the most one iteration can accept")
-        low, high = results.speedup_interval
-        if self.recommended and not low > 1.0:
+        """The checks that span sections: the schedule's ranges, the headline against
+        ``tuned``, ``results`` and ``recommended``, the exports against ``tuned``."""
+        _check_schedule(self.schedule)
+        head = self.headline
+        if self.tuned != head.speculative:
+            raise _FieldProblem(("tuned",), "differs from the last schedule entry's "
+                                            "configuration; tuned repeats it")
+        if self.results != head.results:
+            raise _FieldProblem(("results",), "differs from the last schedule entry's "
+                                              "results; results repeat them")
+        if self.workload.batch_size != head.batch_size:
+            raise _FieldProblem(("workload", "batch_size"),
+                                f"{self.workload.batch_size}, but the last schedule entry was "
+                                f"measured at {head.batch_size}")
+        sizes = self.workload.batch_sizes
+        if sizes != sorted(set(sizes)):
+            raise _FieldProblem(("workload", "batch_sizes"), "must be ascending, without repeats")
+        accounted = {e.batch_size for e in self.schedule} | {n.batch_size for n in self.not_tuned}
+        if accounted != set(sizes):
+            raise _FieldProblem(("workload", "batch_sizes"),
+                                f"{sizes}, but the schedule and not_tuned account for "
+                                f"{sorted(accounted)}")
+        if self.recommended != (head.config != VANILLA):
             raise _FieldProblem(
                 ("recommended",),
-                f"true, but the speedup interval [{low:g}, {high:g}] does not lie wholly "
-                "above 1; the tuner recommends only when it does (set recommended: false)")
-        _check_exports(self.exports, self.tuned)
+                f"{str(self.recommended).lower()}, but the last schedule entry runs "
+                f"{'vanilla' if head.config == VANILLA else 'speculatively'}; recommended "
+                "says whether the largest tuned size runs speculatively")
+        _check_exports(self.exports, self.tuned, self.workload, head.batch_size)
         return self
 
+    def spec_schedule(self) -> SpecSchedule:
+        """The schedule as the engine runs it: pass it as ``vegas_core.generate(...,
+        spec=...)`` to decode with the entry for the live batch size."""
+        return SpecSchedule.from_profile_data(profile_to_dict(self), "profile")
 
-def _mismatch(found: dict[str, Any], expected: dict[str, Any]) -> tuple[str, str] | None:
-    """The first key where ``found`` differs from ``expected``, and how; None if equal."""
+
+def _check_schedule(schedule: list[ScheduleEntry]) -> None:
+    """Raise ``_FieldProblem`` unless the entries' ranges start at 1 and are contiguous."""
+    expected = 1
+    for index, entry in enumerate(schedule):
+        if entry.batch_min != expected:
+            raise _FieldProblem(("schedule", index, "batch_min"),
+                                f"{entry.batch_min}; expected {expected}: the ranges start at 1 "
+                                "and follow each other without gaps or overlaps")
+        expected = entry.batch_max + 1
+
+
+def _mismatch(found: dict[str, Any], expected: dict[str, Any]) -> tuple[tuple, str] | None:
+    """The path of the first key where ``found`` differs from ``expected``, and how; None
+    if equal. Nested mappings are compared key by key."""
     for key, want in expected.items():
         if key not in found:
-            return key, f"missing; tuned gives {want!r}"
+            return (key,), f"missing; tuned gives {want!r}"
         have = found[key]
+        if isinstance(have, dict) and isinstance(want, dict):
+            inner = _mismatch(have, want)
+            if inner:
+                return (key, *inner[0]), inner[1]
+            continue
         # 1 == True in Python; a bool where a number belongs is still a mismatch.
         if have != want or isinstance(have, bool) != isinstance(want, bool):
-            return key, f"{have!r} contradicts tuned, which gives {want!r}"
+            return (key,), f"{have!r} contradicts tuned, which gives {want!r}"
     for key in found:
         if key not in expected:
-            return key, "not derived from tuned; remove it"
+            return (key,), "not derived from tuned; remove it"
     return None
 
 
 _REGENERATE = "; exports must be derived from tuned (re-run the tuner, or fix the value)"
 
 
-def _check_exports(exports: Exports, tuned: Tuned) -> None:
-    """Raise ``_FieldProblem`` unless every export says what ``tuned`` says."""
+def _check_exports(exports: Exports, tuned: Tuned, workload: Workload, batch: int) -> None:
+    """Raise ``_FieldProblem`` unless every export says what ``tuned`` says, served at
+    ``batch`` sequences of ``workload``'s context plus new tokens."""
     # export.py imports this module at its top; importing it here, at validation time,
     # avoids the cycle and keeps one definition of each export.
-    from vegas_tune.export import VLLM_SPECULATIVE_KEY, engine_settings, vllm_speculative_config
+    from vegas_tune.export import engine_settings, vllm_serve_config, vllm_speculative_config
 
     problem = _mismatch(exports.vegas, engine_settings(tuned))
     if problem:
-        raise _FieldProblem(("exports", "vegas", problem[0]), problem[1] + _REGENERATE)
-    speculative = vllm_speculative_config(tuned)
-    serve_loc = ("exports", "vllm", "serve_config", VLLM_SPECULATIVE_KEY)
-    in_serve = exports.vllm.serve_config.get(VLLM_SPECULATIVE_KEY)
-    if not isinstance(in_serve, dict):
-        raise _FieldProblem(serve_loc, f"expected the speculative config mapping, got "
-                                       f"{type(in_serve).__name__}{_REGENERATE}")
-    problem = _mismatch(in_serve, speculative)
+        raise _FieldProblem(("exports", "vegas", *problem[0]), problem[1] + _REGENERATE)
+    model_id = exports.vllm.serve_config.get("model")
+    if not isinstance(model_id, str):
+        raise _FieldProblem(("exports", "vllm", "serve_config", "model"),
+                            "missing: the model vLLM serves")
+    expected = vllm_serve_config(model_id, tuned, batch, workload.ctx + workload.max_new_tokens)
+    problem = _mismatch(exports.vllm.serve_config, expected)
     if problem:
-        raise _FieldProblem((*serve_loc, problem[0]), problem[1] + _REGENERATE)
+        raise _FieldProblem(("exports", "vllm", "serve_config", *problem[0]),
+                            problem[1] + _REGENERATE)
     json_loc = ("exports", "vllm", "speculative_config_json")
     try:
         in_json = json.loads(exports.vllm.speculative_config_json)
     except json.JSONDecodeError as error:
         raise _FieldProblem(json_loc, f"not valid JSON: {error}") from None
-    if not isinstance(in_json, dict):
-        raise _FieldProblem(json_loc, f"expected a JSON object, got {type(in_json).__name__}")
+    speculative = vllm_speculative_config(tuned)
+    if speculative is None or not isinstance(in_json, dict):
+        if in_json != speculative:
+            raise _FieldProblem(json_loc, f"expected {json.dumps(speculative)}{_REGENERATE}")
+        return
     problem = _mismatch(in_json, speculative)
     if problem:
-        raise _FieldProblem(json_loc, f"key {problem[0]!r}: {problem[1]}{_REGENERATE}")
+        raise _FieldProblem(json_loc, f"key {'.'.join(problem[0])!r}: {problem[1]}{_REGENERATE}")
 
 
 def _version_message(found: Any) -> str:
@@ -447,7 +596,9 @@ def profile_from_dict(data: Any, source: str = "<dict>") -> Profile:
                          f"got {kind}")
     # A profile from another schema version would fail on many fields; say why once.
     version = data.get("schema_version", SCHEMA_VERSION)
-    if version != SCHEMA_VERSION:
+    if version == UPGRADABLE_VERSION:
+        data = _upgrade_from_2(data, source)
+    elif version != SCHEMA_VERSION:
         raise VegasError(f"{source}: invalid profile: schema_version: {_version_message(version)}")
     try:
         return Profile.model_validate(data)
@@ -455,65 +606,42 @@ def profile_from_dict(data: Any, source: str = "<dict>") -> Profile:
         raise VegasError(f"{source}: invalid profile: {_first_problem(error)}") from None
 
 
+def _upgrade_from_2(data: dict, source: str) -> dict:
+    """A schema 2 profile (one batch size, no schedule) as schema 3: a one-entry schedule
+    covering batch sizes 1 to the tuned one, and exports that set the served concurrency
+    and length. Its figures are unchanged."""
+    from vegas_tune.export import build_exports
+
+    try:
+        upgraded = json.loads(json.dumps(data))  # a deep copy of plain data
+        workload, results = upgraded["workload"], upgraded["results"]
+        batch = workload["batch_size"]
+        workload["batch_sizes"] = [batch]
+        tuned = Tuned.model_validate(upgraded["tuned"])
+        speculative = bool(upgraded["recommended"])
+        upgraded["schedule"] = [{
+            "batch_min": 1, "batch_max": batch, "batch_size": batch,
+            "config": dict(upgraded["tuned"]) if speculative else VANILLA,
+            **({} if speculative else {"measured": dict(upgraded["tuned"])}),
+            "results": dict(results),
+            "reason": "tuned at one batch size (a schema 2 profile)"}]
+        model_id = upgraded["exports"]["vllm"]["serve_config"]["model"]
+        upgraded["exports"] = build_exports(
+            model_id, tuned, batch, workload["ctx"] + workload["max_new_tokens"]).model_dump()
+    except (KeyError, TypeError, ValueError) as error:
+        raise VegasError(f"{source}: invalid profile: a schema 2 profile that cannot be read as "
+                         f"schema {SCHEMA_VERSION} ({type(error).__name__}: "
+                         f"{str(error).splitlines()[0]}); re-run the tuner") from None
+    upgraded["schema_version"] = SCHEMA_VERSION
+    # Keys in schema order, as a profile written now would have them.
+    order = list(Profile.model_fields)
+    return {key: upgraded[key] for key in sorted(upgraded, key=lambda k: (
+        order.index(k) if k in order else len(order)))}
+
+
 def profile_to_dict(profile: Profile) -> dict[str, Any]:
     """The profile as plain Python data (dicts, lists, scalars), keys in schema order."""
     return profile.model_dump(mode="python")
-
-
-def _yaml_problem(error: yaml.YAMLError) -> str:
-    mark = getattr(error, "problem_mark", None)
-    problem = getattr(error, "problem", None) or str(error).splitlines()[0]
-    if mark is None:
-        return problem
-    # PyYAML's marks count from zero; editors count from one.
-    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
-
-
-class _RefusedYaml(Exception):
-    """A YAML construct ``read_yaml`` does not accept."""
-
-
-class _AliasFreeLoader(yaml.SafeLoader):
-    """SafeLoader that refuses anchors and aliases. An alias repeats a node without
-    copying it, so a few lines of nested aliases ("billion laughs") expand to more data
-    than memory holds once anything walks them; profiles and config files never need them."""
-
-    def compose_node(self, parent, index):
-        event = self.peek_event()
-        if isinstance(event, yaml.AliasEvent):
-            raise _RefusedYaml("YAML aliases (*name) are not allowed; write the values out")
-        if getattr(event, "anchor", None) is not None:
-            raise _RefusedYaml("YAML anchors (&name) are not allowed; write the values out")
-        return super().compose_node(parent, index)
-
-
-def read_yaml(text: str, source: str) -> Any:
-    """Parse one YAML document safely: the data, or ``VegasError`` with one line naming
-    ``source`` (a file name, for messages).
-
-    Refused: texts over ``MAX_YAML_BYTES``, anchors and aliases (and so merge keys),
-    nesting deeper than Python can walk, and anything that is not YAML.
-    """
-    # Characters never outnumber UTF-8 bytes, so this cheap test errs only on the safe side.
-    if len(text) > MAX_YAML_BYTES:
-        raise VegasError(_too_large(source))
-    try:
-        # Safe: the loader is a SafeLoader, which builds only plain data.
-        return yaml.load(text, Loader=_AliasFreeLoader)
-    except _RefusedYaml as error:
-        raise VegasError(f"{source}: {error}") from None
-    except yaml.YAMLError as error:
-        raise VegasError(f"{source}: not valid YAML: {_yaml_problem(error)}") from None
-    except RecursionError:
-        raise VegasError(f"{source}: not valid YAML: nested too deeply") from None
-    except ValueError as error:
-        # e.g. an integer with more digits than Python converts.
-        raise VegasError(f"{source}: not valid YAML: {error}") from None
-
-
-def _too_large(source: str) -> str:
-    return (f"{source}: too large to be a profile or config file "
-            f"(over {MAX_YAML_BYTES // 2**20} MiB)")
 
 
 def load_profile(path: str | os.PathLike) -> Profile:
@@ -525,22 +653,7 @@ def load_profile(path: str | os.PathLike) -> Profile:
     first problem, e.g. ``profiles/x.yaml: invalid profile: tuned.gamma: Input should be
     greater than or equal to 1``.
     """
-    path = Path(path)
-    try:
-        # Read one byte past the bound, not the whole file: a huge file (or /dev/zero) is
-        # refused without loading it into memory.
-        with path.open("rb") as stream:
-            raw = stream.read(MAX_YAML_BYTES + 1)
-        if len(raw) > MAX_YAML_BYTES:
-            raise VegasError(_too_large(str(path)))
-        text = raw.decode("utf-8")
-    except FileNotFoundError:
-        raise VegasError(f"{path}: no such profile file") from None
-    except UnicodeDecodeError:
-        raise VegasError(f"{path}: not a profile: the file is not UTF-8 text") from None
-    except OSError as error:
-        raise VegasError(f"{path}: cannot read the profile: {error.strerror or error}") from None
-    return profile_from_dict(read_yaml(text, str(path)), source=str(path))
+    return profile_from_dict(read_yaml_file(path, "profile"), source=str(path))
 
 
 class _ProfileDumper(yaml.SafeDumper):

@@ -1,24 +1,31 @@
-"""The three tuning steps as optuna studies in one storage.
+"""The tuning steps as optuna studies in one storage, for one or more batch sizes.
 
-1. ``sparsity``: at the probe gamma, a grid of sparsity ratios; objective: mean accepted
-   length (one measurement each: greedy acceptance on fixed prompts does not vary).
-   Chosen: the smallest ratio within ``tolerance`` of the plateau (the best).
-2. ``gamma``: the cost model predicts tokens/s for gamma = 1..gamma_max from step 1's
-   per-position acceptance and step costs; the best predicted candidates are measured.
-3. ``refine``: TPE over sparsity (around step 1's choice), ``score`` and ``window`` with
-   gamma fixed.
-Steps 2 and 3 measure each configuration in rounds, each round beside a vanilla run, until
+1. ``sparsity`` (shared by every batch size): at the probe gamma, a grid of sparsity
+   ratios; objective: mean accepted length. One measurement each, at the smallest batch
+   size: greedy acceptance on fixed prompts does not vary between runs, nor with the
+   batch size. Chosen: the smallest ratio within ``tolerance`` of the plateau.
+Then, for each batch size B, smallest first:
+2. ``costs``: one vanilla run and one probe run (probe gamma, step 1's sparsity) time the
+   steps at B.
+3. ``gamma``: the cost model (``vegas_tune.costmodel``) predicts tokens/s at B for every
+   gamma up to ``gamma_max`` and every step-1 sparsity, from step 1's acceptance and the
+   step costs; the ``gamma_candidates`` best predicted are measured.
+4. ``refine``: TPE over sparsity (around step 3's choice), ``score`` and ``window`` with
+   gamma fixed (``refine_trials``; 0 skips it).
+5. ``baselines``: the chosen configuration, vanilla decoding and the ``streaming``
+   drafter in interleaved rounds, so the size's speedups and intervals come from one run.
+Steps 3 to 5 measure each configuration in rounds, each round beside a vanilla run, until
 the speedup's 95% interval is within ``precision`` of its mean or ``max_rounds`` are done;
 a configuration whose interval falls wholly below the best one's stops early (pruned).
 Their objective is the mean speedup over vanilla, and each chooses the cheapest of the
 configurations whose intervals overlap the best one's (``stats.choose_within_noise``).
-Then ``baselines`` measures the chosen configuration, vanilla decoding and the
-``streaming`` drafter in interleaved rounds, so the profile's speedups and intervals
-come from one run.
 
 Every trial's metrics are stored as user attributes. Finished trials survive a crash or
 Ctrl-C; a rerun with ``resume`` continues each study where it stopped, and several
-processes may share one storage.
+processes may share one storage. When the time budget runs out, or on Ctrl-C, ``run``
+returns what the finished trials support (``TuneResult.cut_short`` says what was cut).
+A batch size that does not fit in memory is recorded in ``TuneResult.not_tuned``; the
+other sizes go on.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import json
 import logging
 import os
 import socket
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,14 +43,14 @@ import torch
 
 from vegas_core import SpecConfig
 from vegas_core.errors import VegasError
-from vegas_tune.costmodel import StepCosts, predict_tokens_per_second
+from vegas_tune.costmodel import StepCosts, budget_share, predict_tokens_per_second
 from vegas_tune.measure import Measurement, Measurer, interleave, ratio_estimate, series_attrs
 from vegas_tune.progress import ProgressCallback, ProgressEvent
 from vegas_tune.stats import Estimate, choose_within_noise, estimate
 
 log = logging.getLogger("vegas_tune")
 
-STEPS = ("sparsity", "gamma", "refine", "baselines")
+STEPS = ("sparsity", "costs", "gamma", "refine", "baselines")
 BASELINES = ("chosen", "vanilla", "streaming")
 # How long a worker waits for other workers' running trials before giving up on them.
 WAIT_FOR_OTHERS_SECONDS = 3600
@@ -53,10 +61,23 @@ REFINE_WINDOWS = (0.0, 0.25, 0.5, 0.75)
 # Rounds before a configuration may stop for precision: fewer give intervals too wide
 # (t quantile 12.7 at two samples) to stop on.
 MIN_ROUNDS = 3
+# Rounds a configuration needs for an interval at all: when the time budget runs out
+# mid-configuration, it stops at this many.
+MIN_INTERVAL_ROUNDS = 2
 # A measurement below this many decoded tokens per configuration is timing noise.
 MIN_TOKENS_PER_MEASUREMENT = 64
 # A steady window shorter than this is warned about: timer and launch jitter dominate.
 MIN_TIMED_SECONDS = 0.1
+# The two measurements of the costs step.
+COSTS_CONFIGS = ("vanilla", "probe")
+
+
+class BudgetSpent(VegasError):
+    """--time-budget ran out; ``Tuner.run`` turns it into a cut-short result."""
+
+
+class StepFailed(VegasError):
+    """Every trial of a step failed (e.g. out of memory at this batch size)."""
 
 
 @dataclass
@@ -83,14 +104,31 @@ class StepResult:
     notes: str = ""
     predictions: list[dict] = field(default_factory=list)
     within_noise: list[dict] = field(default_factory=list)
+    batch_size: int | None = None  # None: shared by every batch size
+
+
+@dataclass
+class SizeResult:
+    """What was measured at one batch size.
+
+    ``spec``: the best speculative configuration measured there; ``figures``: its
+    results in the profile's ``Results`` shape (``<name>`` and ``<name>_interval``),
+    with null where not measured (streaming, when the run was cut before ``baselines``;
+    intervals, when measured once)."""
+
+    batch_size: int
+    spec: SpecConfig
+    figures: dict
 
 
 @dataclass
 class TuneResult:
-    spec: SpecConfig
+    sizes: list[SizeResult]  # ascending; the sizes with a measurement
     steps: list[StepResult]
-    baselines: dict[str, dict]  # config name -> measurement attrs, with intervals
     trials: list[dict]  # every trial of every step, flat, for the report
+    not_tuned: list[tuple[int, str]] = field(default_factory=list)  # (batch size, why)
+    cut_short: list[str] = field(default_factory=list)  # steps stopped early, in words
+    interrupted: bool = False  # stopped by Ctrl-C (else finished or out of time)
 
 
 def open_storage(url: str):
@@ -144,55 +182,76 @@ def _alive(pid: int) -> bool:
 class Tuner:
     """Runs the steps; ``progress`` receives a ``ProgressEvent`` per finished trial.
 
-    ``fingerprint`` names what the measurements depend on (model, hardware, workload,
-    measurement settings); it is stored with the studies, and resuming a study recorded
-    with another fingerprint is refused. ``new_study`` discards the studies of this name
-    in the storage and starts over.
+    ``measurers`` maps each batch size to tune to a ``Measurer`` of that size (same model
+    and prompts). ``fingerprint`` names what the measurements depend on (model, hardware,
+    workload, measurement settings); it is stored with the studies, and resuming a study
+    recorded with another fingerprint is refused. ``new_study`` discards the studies of
+    this name in the storage and starts over.
     """
 
-    def __init__(self, measurer: Measurer, storage: str, study_name: str, options: TuneOptions,
-                 *, resume: bool, new_study: bool = False, fingerprint: dict | None = None,
-                 progress: ProgressCallback | None = None):
+    def __init__(self, measurers: dict[int, Measurer], storage: str, study_name: str,
+                 options: TuneOptions, *, resume: bool, new_study: bool = False,
+                 fingerprint: dict | None = None, progress: ProgressCallback | None = None):
         import optuna
 
         # Optuna logs every failed trial with a traceback; the tuner reports failures itself.
         debug = log.isEnabledFor(logging.DEBUG)
         optuna.logging.set_verbosity(optuna.logging.WARNING if debug else optuna.logging.ERROR)
-        self.measurer, self.options = measurer, options
+        if not measurers:
+            raise VegasError("no batch size to tune")
+        self.measurers = dict(sorted(measurers.items()))
+        self.options = options
         self.storage = open_storage(storage)
         self.storage_url = storage
         self.study_name, self.resume = study_name, resume
         # As the storage will return it (JSON: tuples become lists), for comparing.
         self.fingerprint = json.loads(json.dumps(fingerprint or {}))
         self.progress = progress
-        self.batch = measurer.workload.batch_size
         self.deadline = time.monotonic() + options.time_budget if options.time_budget else None
+        self._where: tuple[str, int | None, int] | None = None  # (step, batch, total trials)
         check_study(self.storage, storage, study_name, resume=resume, new_study=new_study,
                     fingerprint=self.fingerprint)
+
+    @property
+    def sizes(self) -> list[int]:
+        return list(self.measurers)
 
     # ---- studies ---------------------------------------------------------------------
 
     def _our_studies(self) -> list:
         return _studies_named(self.storage, self.study_name)
 
-    def _study(self, step: str, sampler, direction: str = "maximize"):
+    def _study_name(self, step: str, batch: int | None) -> str:
+        return f"{self.study_name}:{step}" + ("" if batch is None else f"@{batch}")
+
+    def _study(self, step: str, sampler, batch: int | None = None, direction: str = "maximize"):
         import optuna
 
-        study = optuna.create_study(storage=self.storage, study_name=f"{self.study_name}:{step}",
+        study = optuna.create_study(storage=self.storage, study_name=self._study_name(step, batch),
                                     sampler=sampler, direction=direction, load_if_exists=True)
         if "fingerprint" not in study.user_attrs:
             study.set_user_attr("fingerprint", self.fingerprint)
         _fail_dead_local_trials(study)
         return study
 
+    def _existing(self, step: str, batch: int | None):
+        """The study of ``step`` at ``batch`` if the storage has it, else None."""
+        import optuna
+
+        name = self._study_name(step, batch)
+        if not any(s.study_name == name for s in self._our_studies()):
+            return None
+        return optuna.load_study(study_name=name, storage=self.storage)
+
+    def _out_of_time(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline
+
     def _remaining_seconds(self) -> float | None:
         if self.deadline is None:
             return None
         left = self.deadline - time.monotonic()
         if left <= 0:
-            raise VegasError("--time-budget ran out before this step could finish a trial; "
-                             "raise it or tune a smaller workload (--num-prompts, --ctx, "
-                             "--max-rounds)")
+            raise BudgetSpent("--time-budget ran out")
         return left
 
     def _complete(self, study) -> list:
@@ -210,12 +269,16 @@ class Tuner:
                    or (t.state == TrialState.FAIL and "failed_reason" in t.user_attrs)
                    for t in trials)
 
+    def _label(self, step: str, batch: int | None) -> str:
+        multi = len(self.measurers) > 1
+        return f"{step} @ batch {batch}" if batch is not None and multi else step
+
     def _report(self, step: str, done: int, total: int, best: str | None,
                 unit: str = "trials") -> None:
         if self.progress:
             self.progress(ProgressEvent(step, done, total, best, unit))
 
-    def _run(self, study, objective, total: int, step: str,
+    def _run(self, study, objective, total: int, step: str, batch: int | None,
              grid: list[dict] | None = None,
              best: Callable[[list], str | None] | None = None, quiet: bool = False) -> list:
         """Run trials until ``total`` are done, counting earlier runs' and other
@@ -225,11 +288,14 @@ class Tuner:
         ``quiet`` leaves progress to the objective."""
         from optuna.trial import TrialState
 
+        label = self._label(step, batch)
+        self._where = (step, batch, total)
+
         def report(_study=None, _trial=None) -> None:
             if quiet:
                 return
             complete = self._complete(study)
-            self._report(step, self._finished(study), total,
+            self._report(label, self._finished(study), total,
                          best(complete) if best and complete else None)
 
         report()
@@ -248,10 +314,13 @@ class Tuner:
                 self._wait_for_others(study)
                 if self._finished(study) == before:
                     break
+        self._where = None
         complete = self._complete(study)
         if not complete:
-            raise VegasError(f"step '{step}' finished no trial (all failed or pruned); see "
-                             f"the trials' failed_reason in {self.storage_url}")
+            reasons = {t.user_attrs["failed_reason"] for t in study.get_trials(deepcopy=False)
+                       if "failed_reason" in t.user_attrs}
+            why = "; ".join(sorted(reasons)) or f"see the trials in {self.storage_url}"
+            raise StepFailed(f"step '{label}' finished no trial (all failed or pruned): {why}")
         return complete
 
     def _queue_missing(self, study, grid: list[dict]) -> None:
@@ -296,15 +365,24 @@ class Tuner:
             for key, value in spec.to_dict().items():
                 trial.set_user_attr(f"spec_{key}", value)
 
-    def _measure_once(self, trial, spec: SpecConfig | None) -> dict:
+    def _measure_once(self, trial, spec: SpecConfig | None, batch: int) -> dict:
         """One measurement, for what does not vary between runs (acceptance) or only
         feeds a prediction (step costs)."""
-        attrs = self._guard_memory(trial, lambda: self.measurer.measure(spec)).as_attrs()
+        measurer = self.measurers[batch]
+        attrs = self._guard_memory(trial, lambda: measurer.measure(spec)).as_attrs()
         self._store(trial, attrs, spec)
         return attrs
 
-    def _measure_against_vanilla(self, trial, spec: SpecConfig,
-                                 incumbent: Estimate | None) -> Estimate:
+    def _stop_rounds(self, done: int, precise: bool) -> bool:
+        """After ``done`` rounds: stop when the interval is precise enough (and
+        ``MIN_ROUNDS`` are done), or when the time budget is spent and there are enough
+        rounds for an interval."""
+        if done < MIN_INTERVAL_ROUNDS:
+            return False
+        return (done >= MIN_ROUNDS and precise) or self._out_of_time()
+
+    def _measure_against_vanilla(self, trial, spec: SpecConfig, incumbent: Estimate | None,
+                                 batch: int) -> Estimate:
         """Rounds of (vanilla, ``spec``) until the speedup's interval is within
         ``precision`` of its mean, ``max_rounds`` are done, or the interval falls wholly
         below ``incumbent``'s (then the trial is pruned, its rounds kept)."""
@@ -314,15 +392,15 @@ class Tuner:
 
         def after_round(done: int, samples: dict[str, list[Measurement]]) -> bool:
             nonlocal raced
-            if done < 2:
+            if done < MIN_INTERVAL_ROUNDS:
                 return False
             speedup = ratio_estimate(samples["config"], samples["vanilla"])
             raced = incumbent is not None and speedup.below(incumbent)
-            return raced or (done >= MIN_ROUNDS
-                             and speedup.relative_half_width <= self.options.precision)
+            return raced or self._stop_rounds(
+                done, speedup.relative_half_width <= self.options.precision)
 
         samples = self._guard_memory(trial, lambda: interleave(
-            self.measurer, {"vanilla": None, "config": spec}, self.options.max_rounds,
+            self.measurers[batch], {"vanilla": None, "config": spec}, self.options.max_rounds,
             after_round))
         attrs = series_attrs(samples["config"], samples["vanilla"])
         self._store(trial, attrs, spec)
@@ -346,82 +424,132 @@ class Tuner:
     def step_sparsity(self) -> StepResult:
         import optuna
 
+        batch = self.sizes[0]
         grid = sorted(set(self.options.sparsity_grid))
         study = self._study("sparsity", optuna.samplers.RandomSampler(seed=self.options.seed))
 
         def objective(trial) -> float:
             spec = self._spec(sparsity=trial.suggest_float("sparsity", grid[0], grid[-1]))
-            return self._measure_once(trial, spec)["mean_accepted_length"]
+            trial.set_user_attr("batch_size", batch)
+            return self._measure_once(trial, spec, batch)["mean_accepted_length"]
 
-        def best(done: list) -> str:
-            top = max(done, key=lambda t: t.value)
-            return f"sparsity {top.params['sparsity']:g}: {top.value:.2f} tokens per iteration"
-
-        done = self._run(study, objective, len(grid), "sparsity",
-                         grid=[{"sparsity": x} for x in grid], best=best)
-        plateau = max(t.value for t in done)
-        ok = [t for t in done if t.value >= plateau * (1 - self.options.tolerance)]
-        chosen = min(ok, key=lambda t: t.params["sparsity"])
+        done = self._run(study, objective, len(grid), "sparsity", None,
+                         grid=[{"sparsity": x} for x in grid], best=_acceptance_words)
+        chosen, plateau = self._plateau_choice(done)
         notes = (f"plateau {plateau:.2f} accepted tokens; smallest ratio within "
                  f"{self.options.tolerance:.0%}: {chosen.params['sparsity']} "
-                 f"({chosen.value:.2f})")
+                 f"({chosen.value:.2f}); measured at batch {batch}, used for every size")
         return StepResult("sparsity", study.study_name, len(done),
                           {"sparsity": chosen.params["sparsity"],
                            "mean_accepted_length": round(chosen.value, 4)}, notes)
 
-    def step_gamma(self, sparsity: float) -> StepResult:
+    def _plateau_choice(self, done: list) -> tuple:
+        plateau = max(t.value for t in done)
+        ok = [t for t in done if t.value >= plateau * (1 - self.options.tolerance)]
+        return min(ok, key=lambda t: t.params["sparsity"]), plateau
+
+    def _acceptance(self) -> dict[float, list[float]]:
+        """Step 1's per-position acceptance by sparsity (finished grid points)."""
         import optuna
 
-        base = self._study("sparsity", optuna.samplers.RandomSampler())
-        probe = min(self._complete(base), key=lambda t: abs(t.params["sparsity"] - sparsity))
-        vanilla = self._baseline_measurement("vanilla")
-        attrs = probe.user_attrs
-        costs = StepCosts(attrs["draft_step_seconds"], attrs["verify_step_seconds"],
-                          attrs["selection_step_seconds"], vanilla["decode_step_seconds"],
-                          self.options.probe_gamma)
-        gammas = range(1, min(self.options.gamma_max, self.options.probe_gamma) + 1)
-        predicted = {g: predict_tokens_per_second(attrs["acceptance_by_position"], costs, g,
-                                                  self.batch) for g in gammas}
-        candidates = sorted(sorted(predicted, key=predicted.get, reverse=True)
-                            [: self.options.gamma_candidates])
-        study = self._study("gamma", optuna.samplers.RandomSampler(seed=self.options.seed))
+        study = self._study("sparsity", optuna.samplers.RandomSampler())
+        return {t.params["sparsity"]: t.user_attrs["acceptance_by_position"]
+                for t in self._complete(study)}
+
+    def step_costs(self, batch: int, sparsity: float) -> StepCosts:
+        """Time vanilla and the probe at ``batch`` (one run each)."""
+        import optuna
+
+        study = self._study("costs", optuna.samplers.RandomSampler(), batch)
+        probe = self._spec(sparsity=sparsity)
 
         def objective(trial) -> float:
-            gamma = trial.suggest_int("gamma", candidates[0], candidates[-1])
-            trial.set_user_attr("predicted_tokens_per_second", predicted[gamma])
-            spec = self._spec(gamma=gamma, sparsity=sparsity)
-            return self._measure_against_vanilla(trial, spec, self._incumbent(study)).mean
+            name = trial.suggest_categorical("config", list(COSTS_CONFIGS))
+            trial.set_user_attr("batch_size", batch)
+            attrs = self._measure_once(trial, probe if name == "probe" else None, batch)
+            if name == "vanilla" and attrs["steady_seconds"] < MIN_TIMED_SECONDS:
+                log.warning("each measurement at batch %d times only %.0f ms of decoding: "
+                            "timings that short are noisy; raise --max-new-tokens or "
+                            "--num-prompts", batch, 1e3 * attrs["steady_seconds"])
+            return attrs["tokens_per_second"]
 
-        done = self._run(study, objective, len(candidates), "gamma",
-                         grid=[{"gamma": g} for g in candidates],
-                         best=lambda d: _best_words(d, ("gamma",)))
-        chosen, tied = choose_within_noise(done, _speedup_of, lambda t: (t.params["gamma"],))
-        measured = {t.params["gamma"]: t.user_attrs for t in study.get_trials(deepcopy=False)
-                    if _speedup_of(t) is not None}
+        done = self._run(study, objective, len(COSTS_CONFIGS), "costs", batch,
+                         grid=[{"config": c} for c in COSTS_CONFIGS])
+        by_name = {t.params["config"]: t.user_attrs for t in done}
+        if set(by_name) != set(COSTS_CONFIGS):
+            raise StepFailed(f"step '{self._label('costs', batch)}' could not time both "
+                             "vanilla and the probe")
+        v, p = by_name["vanilla"], by_name["probe"]
+        steps = p["steady_iterations"] or p["iterations"]
+        seconds = p["steady_seconds"] if p["steady_iterations"] else p["decode_seconds"]
+        return StepCosts(p["draft_step_seconds"], p["verify_step_seconds"],
+                         p["selection_step_seconds"], v["decode_step_seconds"],
+                         iteration_seconds=seconds / max(steps, 1),
+                         probe_gamma=self.options.probe_gamma,
+                         probe_share=self._share(sparsity, batch))
+
+    def _share(self, sparsity: float, batch: int) -> float:
+        """The draft budget's share of the mean prefix of ``batch``'s workload."""
+        w = self.measurers[batch].workload
+        prefix = statistics.fmean(len(p.ids) for p in w.prompts) + w.max_new_tokens / 2
+        return budget_share(sparsity, self.options.min_tokens, max(1, round(prefix)))
+
+    def step_gamma(self, batch: int, costs: StepCosts) -> StepResult:
+        import optuna
+
+        acceptance = self._acceptance()
+        gamma_top = min(self.options.gamma_max, self.options.probe_gamma)
+        predicted = {(g, s): predict_tokens_per_second(a, costs, g, batch, self._share(s, batch))
+                     for s, a in acceptance.items() for g in range(1, gamma_top + 1)}
+        candidates = sorted(sorted(predicted, key=predicted.get, reverse=True)
+                            [: self.options.gamma_candidates])
+        study = self._study("gamma", optuna.samplers.RandomSampler(seed=self.options.seed), batch)
+        gammas = sorted({g for g, _ in candidates})
+        ratios = sorted({s for _, s in candidates})
+
+        def objective(trial) -> float:
+            gamma = trial.suggest_int("gamma", gammas[0], gammas[-1])
+            sparsity = trial.suggest_float("sparsity", ratios[0], ratios[-1])
+            trial.set_user_attr("batch_size", batch)
+            trial.set_user_attr("predicted_tokens_per_second", predicted[(gamma, sparsity)])
+            spec = self._spec(gamma=gamma, sparsity=sparsity)
+            return self._measure_against_vanilla(trial, spec, self._incumbent(study), batch).mean
+
+        done = self._run(study, objective, len(candidates), "gamma", batch,
+                         grid=[{"gamma": g, "sparsity": s} for g, s in candidates],
+                         best=lambda d: _best_words(d, ("gamma", "sparsity")))
+        chosen, tied = choose_within_noise(
+            done, _speedup_of, lambda t: (t.params["gamma"], t.params["sparsity"]))
+        measured = {(t.params["gamma"], t.params["sparsity"]): t.user_attrs
+                    for t in study.get_trials(deepcopy=False) if _speedup_of(t) is not None}
         predictions = []
-        for g, p in predicted.items():
-            m = measured.get(g, {})
+        for (g, s), p in sorted(predicted.items()):
+            m = measured.get((g, s), {})
             speedup = Estimate.from_attrs(m, "speedup")
             predictions.append({
-                "gamma": g, "predicted_tokens_per_second": round(p, 3),
+                "gamma": g, "sparsity_ratio": s, "predicted_tokens_per_second": round(p, 3),
                 "measured_tokens_per_second": _rounded(m.get("tokens_per_second")),
                 "measured_speedup": _rounded(speedup and speedup.mean, 4),
                 "measured_speedup_interval": _interval(speedup)})
-        notes = (f"cost model from gamma={self.options.probe_gamma} at sparsity {sparsity}; "
-                 f"measured the {len(candidates)} best predicted"
-                 + _tie_note(tied, "the smallest gamma"))
+        notes = (f"cost model from gamma={self.options.probe_gamma} at the step-1 sparsity, "
+                 f"over gamma 1..{gamma_top} and the step-1 ratios; measured the "
+                 f"{len(candidates)} best predicted"
+                 + _tie_note(tied, "the smallest gamma, then the smallest sparsity"))
+        keys = ("gamma", "sparsity")
         return StepResult("gamma", study.study_name, self._finished(study),
-                          {"gamma": chosen.params["gamma"], **_chosen_figures(chosen)}, notes,
-                          predictions, [_noise_row(t, ("gamma",)) for t in tied])
+                          {**chosen.params, **_chosen_figures(chosen)}, notes,
+                          predictions, [_noise_row(t, keys) for t in tied], batch)
 
-    def step_refine(self, gamma: int, sparsity: float) -> StepResult:
+    def step_refine(self, batch: int, gamma: int, sparsity: float) -> StepResult | None:
         import optuna
 
+        if self.options.refine_trials < 1:
+            return None
         low, high = max(sparsity / 2, 1e-3), min(sparsity * 2, 1.0)
         sampler = optuna.samplers.TPESampler(seed=self.options.seed, n_startup_trials=4)
-        study = self._study("refine", sampler)
+        study = self._study("refine", sampler, batch)
         if not study.get_trials(deepcopy=False):
-            # The step-2 winner first, so refining can only keep or improve it.
+            # The step-3 winner first, so refining can only keep or improve it.
             study.enqueue_trial({"sparsity": sparsity, "score": "logit", "window": 0.0})
 
         def objective(trial) -> float:
@@ -429,71 +557,45 @@ class Tuner:
                               sparsity=trial.suggest_float("sparsity", low, high, log=True),
                               score=trial.suggest_categorical("score", ["logit", "weight"]),
                               window=trial.suggest_categorical("window", list(REFINE_WINDOWS)))
-            return self._measure_against_vanilla(trial, spec, self._incumbent(study)).mean
+            trial.set_user_attr("batch_size", batch)
+            return self._measure_against_vanilla(trial, spec, self._incumbent(study), batch).mean
 
         keys = ("sparsity", "score", "window")
-        done = self._run(study, objective, self.options.refine_trials, "refine",
+        done = self._run(study, objective, self.options.refine_trials, "refine", batch,
                          best=lambda d: _best_words(d, keys))
-        # Cheaper: fewer K/V entries read, then the paper's rule (no window, logit scores).
-        chosen, tied = choose_within_noise(
-            done, _speedup_of,
-            lambda t: (t.params["sparsity"], t.params["window"], t.params["score"] != "logit"))
+        chosen, tied = _refine_choice(done)
         notes = (f"TPE over sparsity [{low:.3g}, {high:.3g}], score and window at gamma "
                  f"{gamma}; {len(done)} complete, {self._finished(study) - len(done)} "
                  f"stopped early or failed"
                  + _tie_note(tied, "the smallest sparsity, then no window and logit scores"))
         return StepResult("refine", study.study_name, self._finished(study),
                           {**chosen.params, **_chosen_figures(chosen)}, notes,
-                          within_noise=[_noise_row(t, keys) for t in tied])
+                          within_noise=[_noise_row(t, keys) for t in tied], batch_size=batch)
 
-    def _baseline_measurement(self, name: str) -> dict:
-        """One vanilla measurement per storage, for the cost model: reused on resume."""
+    def baselines(self, batch: int, chosen: SpecConfig) -> dict[str, dict]:
+        """The chosen configuration, vanilla and streaming at ``batch``, measured in
+        interleaved rounds until the speedup's interval is within ``precision`` (or
+        ``max_rounds``)."""
         import optuna
 
-        study = self._study(f"baselines-{name}", optuna.samplers.RandomSampler())
-        for t in self._complete(study):
-            if t.user_attrs.get("config") == name:
-                return dict(t.user_attrs)
-
-        def objective(trial) -> float:
-            trial.set_user_attr("config", name)
-            return self._measure_once(trial, None)["tokens_per_second"]
-
-        self._run(study, objective, 1, f"baseline {name}")
-        attrs = next(dict(t.user_attrs) for t in self._complete(study)
-                     if t.user_attrs.get("config") == name)
-        if attrs["steady_seconds"] < MIN_TIMED_SECONDS:
-            log.warning("each measurement times only %.0f ms of decoding: timings that short "
-                        "are noisy; raise --max-new-tokens or --num-prompts",
-                        1e3 * attrs["steady_seconds"])
-        return attrs
-
-    def baselines(self, chosen: SpecConfig) -> dict[str, dict]:
-        """The chosen configuration, vanilla and streaming, measured in interleaved rounds
-        until the speedup's interval is within ``precision`` (or ``max_rounds``)."""
-        import optuna
-
-        study = self._study("baselines", optuna.samplers.RandomSampler(seed=self.options.seed))
-        configs = {"vanilla": None, "chosen": chosen,
-                   "streaming": SpecConfig(drafter="streaming", gamma=chosen.gamma,
-                                           sparsity=chosen.sparsity, min_tokens=chosen.min_tokens)}
-
-        def matching() -> list:
-            return [t for t in self._complete(study)
-                    if t.user_attrs.get("spec") == chosen.to_dict()]
+        study = self._study("baselines", optuna.samplers.RandomSampler(seed=self.options.seed),
+                            batch)
+        configs = {"vanilla": None, "chosen": chosen, "streaming": _streaming_like(chosen)}
+        label = self._label("baselines", batch)
 
         def after_round(done: int, samples: dict[str, list[Measurement]]) -> bool:
-            if done < 2:
+            if done < MIN_INTERVAL_ROUNDS:
                 return False
             speedup = ratio_estimate(samples["chosen"], samples["vanilla"])
-            self._report("baselines", done, self.options.max_rounds,
+            self._report(label, done, self.options.max_rounds,
                          f"{speedup.words()} over vanilla", unit="rounds")
-            return done >= MIN_ROUNDS and speedup.relative_half_width <= self.options.precision
+            return self._stop_rounds(done, speedup.relative_half_width <= self.options.precision)
 
         def objective(trial) -> float:
             trial.set_user_attr("spec", chosen.to_dict())
+            trial.set_user_attr("batch_size", batch)
             samples = self._guard_memory(trial, lambda: interleave(
-                self.measurer, configs, self.options.max_rounds, after_round))
+                self.measurers[batch], configs, self.options.max_rounds, after_round))
             vanilla = samples["vanilla"]
             series = {name: series_attrs(samples[name], vanilla)
                       for name in ("chosen", "streaming")}
@@ -509,35 +611,162 @@ class Tuner:
 
         # A baselines trial of another chosen configuration (an earlier run that refined
         # less) measured something else: measure this one.
-        if not matching():
-            self._run(study, objective, self._finished(study) + 1, "baselines", quiet=True)
-        return dict(matching()[-1].user_attrs["series"])
+        if _matching_baselines(self._complete(study), chosen) is None:
+            self._run(study, objective, self._finished(study) + 1, "baselines", batch, quiet=True)
+        return _matching_baselines(self._complete(study), chosen)
+
+    # ---- the run ---------------------------------------------------------------------
+
+    def _tune_size(self, batch: int, sparsity: float) -> tuple[SpecConfig, list[StepResult]]:
+        costs = self.step_costs(batch, sparsity)
+        s2 = self.step_gamma(batch, costs)
+        gamma, s2_sparsity = s2.chosen["gamma"], s2.chosen["sparsity"]
+        s3 = self.step_refine(batch, gamma, s2_sparsity)
+        c = s3.chosen if s3 else {"sparsity": s2_sparsity, "score": "logit", "window": 0.0}
+        spec = self._spec(gamma=gamma, sparsity=round(c["sparsity"], 4), score=c["score"],
+                          window=c["window"])
+        self.baselines(batch, spec)
+        return spec, [s for s in (s2, s3) if s is not None]
 
     def run(self) -> TuneResult:
-        s1 = self.step_sparsity()
-        s2 = self.step_gamma(s1.chosen["sparsity"])
-        s3 = self.step_refine(s2.chosen["gamma"], s1.chosen["sparsity"])
-        c = s3.chosen
-        spec = self._spec(gamma=s2.chosen["gamma"], sparsity=round(c["sparsity"], 4),
-                          score=c["score"], window=c["window"])
-        baselines = self.baselines(spec)
-        steps = [s1, s2, s3]
-        return TuneResult(spec, steps, baselines, self.all_trials())
+        """Every step at every size. When the budget runs out or Ctrl-C stops it, the
+        result holds what the finished trials support (``cut_short`` says what was cut);
+        it raises only when no trial at all has finished."""
+        steps: list[StepResult] = []
+        not_tuned: list[tuple[int, str]] = []
+        cut: list[str] = []
+        interrupted = False
+        chosen: dict[int, SpecConfig] = {}
+        try:
+            s1 = self.step_sparsity()
+            steps.append(s1)
+            for batch in self.sizes:
+                try:
+                    chosen[batch], size_steps = self._tune_size(batch, s1.chosen["sparsity"])
+                    steps += size_steps
+                except (StepFailed, torch.cuda.OutOfMemoryError) as error:
+                    if isinstance(error, torch.cuda.OutOfMemoryError):
+                        error = f"out of memory: {str(error).splitlines()[0]}"
+                    not_tuned.append((batch, str(error)))
+                    log.warning("batch %d not tuned: %s", batch, error)
+                    _free_device_memory(self.measurers[batch])
+        except (BudgetSpent, KeyboardInterrupt) as stop:
+            interrupted = isinstance(stop, KeyboardInterrupt)
+            cut.append(self._cut_words("Ctrl-C" if interrupted else "--time-budget"))
+        sizes = []
+        for batch in self.sizes:
+            if any(b == batch for b, _ in not_tuned):
+                continue
+            size = self._size_result(batch, chosen.get(batch))
+            if size is not None:
+                sizes.append(size)
+            elif cut:
+                not_tuned.append((batch, "not reached: the run was cut short"))
+        if not sizes and cut:
+            fallback = self._step1_result()
+            if fallback is None:
+                if interrupted:
+                    raise KeyboardInterrupt
+                raise VegasError("--time-budget ran out before any trial finished; raise it "
+                                 "or tune a smaller workload (--num-prompts, --ctx, "
+                                 "--max-rounds)")
+            sizes.append(fallback)
+            not_tuned = [(b, why) for b, why in not_tuned if b != fallback.batch_size]
+        if not sizes:
+            reasons = "; ".join(f"batch {b}: {why}" for b, why in not_tuned)
+            raise VegasError(f"no batch size could be tuned ({reasons}); lower --batch-size "
+                             "or --ctx")
+        if not any(s.name == "sparsity" for s in steps):
+            steps.insert(0, self._sparsity_summary_from_trials())
+        return TuneResult(sizes, steps, self.all_trials(), sorted(not_tuned), cut, interrupted)
+
+    def _cut_words(self, by: str) -> str:
+        if self._where is None:
+            return f"stopped by {by} between steps"
+        step, batch, total = self._where
+        study = self._existing(step, batch)
+        done = self._finished(study) if study is not None else 0
+        where = "" if batch is None else f" at batch {batch}"
+        later = [b for b in self.sizes if batch is not None and b > batch]
+        plural = "s" if len(later) > 1 else ""
+        rest = (f"; batch size{plural} {', '.join(map(str, later))} not reached"
+                if later else "")
+        return f"{step}{where}: {done} of {total} trials finished when {by} stopped the run{rest}"
+
+    def _size_result(self, batch: int, spec: SpecConfig | None) -> SizeResult | None:
+        """The best of what was measured at ``batch``: the baselines of its chosen
+        configuration, else its best configuration measured against vanilla, else the
+        probe beside vanilla in the costs step (one run each); None when nothing was."""
+        if spec is not None:
+            study = self._existing("baselines", batch)
+            series = study and _matching_baselines(self._complete(study), spec)
+            if series:
+                return SizeResult(batch, spec, _figures(series["chosen"], series["vanilla"],
+                                                        series["streaming"]))
+        best = self._best_measured(batch)
+        if best is not None:
+            return SizeResult(batch, _spec_of(best), _figures(best.user_attrs))
+        costs = self._existing("costs", batch)
+        by_name = {t.params["config"]: t for t in self._complete(costs)} if costs else {}
+        if "probe" in by_name:
+            probe = by_name["probe"]
+            vanilla = by_name.get("vanilla")
+            return SizeResult(batch, _spec_of(probe), _single_figures(
+                probe.user_attrs, vanilla.user_attrs if vanilla else None))
+        return None
+
+    def _best_measured(self, batch: int):
+        """The refine step's choice at ``batch`` if it finished a trial, else the gamma
+        step's; None when neither did."""
+        refine, gamma = self._existing("refine", batch), self._existing("gamma", batch)
+        done = self._complete(refine) if refine else []
+        if done:
+            return _refine_choice(done)[0]
+        done = self._complete(gamma) if gamma else []
+        if done:
+            return choose_within_noise(
+                done, _speedup_of, lambda t: (t.params["gamma"], t.params["sparsity"]))[0]
+        return None
+
+    def _step1_result(self) -> SizeResult | None:
+        """Step 1's choice among its finished trials, measured once without vanilla: all a
+        run cut short in step 1 can say."""
+        study = self._existing("sparsity", None)
+        done = self._complete(study) if study else []
+        if not done:
+            return None
+        chosen, _ = self._plateau_choice(done)
+        return SizeResult(self.sizes[0], _spec_of(chosen), _single_figures(chosen.user_attrs, None))
+
+    def _sparsity_summary_from_trials(self) -> StepResult:
+        study = self._existing("sparsity", None)
+        done = self._complete(study) if study else []
+        if not done:
+            return StepResult("sparsity", self._study_name("sparsity", None), 0, {},
+                              "cut short before any trial finished")
+        chosen, plateau = self._plateau_choice(done)
+        return StepResult("sparsity", study.study_name, len(done),
+                          {"sparsity": chosen.params["sparsity"],
+                           "mean_accepted_length": round(chosen.value, 4)},
+                          f"cut short: {len(done)} of {len(set(self.options.sparsity_grid))} "
+                          f"ratios measured; plateau {plateau:.2f}")
 
     def all_trials(self) -> list[dict]:
-        """Every trial of every step as a flat row; the baselines trial becomes one row
-        per configuration (``config``: chosen, vanilla, streaming)."""
+        """Every trial of every step as a flat row with its ``batch_size``; a baselines
+        trial becomes one row per configuration (``config``: chosen, vanilla,
+        streaming)."""
         import optuna
 
         rows = []
         for summary in self._our_studies():
-            step = summary.study_name.partition(":")[2]
+            step, _, batch = summary.study_name.partition(":")[2].partition("@")
             study = optuna.load_study(study_name=summary.study_name, storage=self.storage)
             for t in study.get_trials(deepcopy=False):
-                row = {"step": step, "number": t.number, "state": t.state.name,
-                       "value": t.value, **t.params}
+                row = {"step": step, "batch_size": int(batch) if batch else
+                       t.user_attrs.get("batch_size"), "number": t.number,
+                       "state": t.state.name, "value": t.value, **t.params}
                 attrs = {k: v for k, v in t.user_attrs.items()
-                         if not k.startswith("spec") and k not in ("worker", "series")}
+                         if not k.startswith("spec") and k not in ("worker", "series", "batch_size")}
                 if "series" in t.user_attrs:
                     rows += [{**row, "config": name, **_trial_row(series)}
                              for name, series in t.user_attrs["series"].items()]
@@ -545,6 +774,88 @@ class Tuner:
                     rows.append({**row, **_trial_row(attrs)})
         return rows
 
+
+def _free_device_memory(measurer: Measurer) -> None:
+    """After an out-of-memory size: drop the model's kept cache so the next size starts
+    from free memory."""
+    from vegas_core.graphs import release_workspace
+
+    release_workspace(measurer.model.net)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _streaming_like(spec: SpecConfig) -> SpecConfig:
+    """The streaming drafter with ``spec``'s gamma and budget: the peer at equal cost."""
+    return SpecConfig(drafter="streaming", gamma=spec.gamma, sparsity=spec.sparsity,
+                      min_tokens=spec.min_tokens)
+
+
+def _matching_baselines(complete: list, spec: SpecConfig) -> dict | None:
+    matching = [t for t in complete if t.user_attrs.get("spec") == spec.to_dict()]
+    return dict(matching[-1].user_attrs["series"]) if matching else None
+
+
+def _refine_choice(done: list) -> tuple:
+    # Cheaper: fewer K/V entries read, then the paper's rule (no window, logit scores).
+    return choose_within_noise(
+        done, _speedup_of,
+        lambda t: (t.params["sparsity"], t.params["window"], t.params["score"] != "logit"))
+
+
+def _spec_of(trial) -> SpecConfig:
+    """The configuration a trial measured (stored as ``spec_<field>`` attributes)."""
+    fields = {k.removeprefix("spec_"): v for k, v in trial.user_attrs.items()
+              if k.startswith("spec_")}
+    return SpecConfig(**fields)
+
+
+def _pair(attrs: dict, name: str, as_name: str, digits: int) -> dict:
+    """``{as_name: mean, as_name_interval: [low, high]}`` from stored attributes; null
+    where missing."""
+    value = attrs.get(name) if attrs else None
+    low, high = (attrs.get(f"{name}_low"), attrs.get(f"{name}_high")) if attrs else (None, None)
+    return {as_name: None if value is None else round(value, digits),
+            f"{as_name}_interval": (None if low is None or high is None
+                                    else [round(low, digits), round(high, digits)])}
+
+
+def _figures(chosen: dict, vanilla: dict | None = None, streaming: dict | None = None) -> dict:
+    """A configuration's figures in the profile's ``Results`` shape, from a series
+    (``measure.series_attrs``; with the baselines' vanilla and streaming series when
+    measured)."""
+    van = (_pair(vanilla, "tokens_per_second", "vanilla_tokens_per_second", 3) if vanilla
+           else _pair(chosen, "vanilla_tokens_per_second", "vanilla_tokens_per_second", 3))
+    return {**_pair(chosen, "tokens_per_second", "tokens_per_second", 3), **van,
+            **_pair(streaming, "tokens_per_second", "streaming_tokens_per_second", 3),
+            **_pair(chosen, "speedup", "speedup", 4),
+            **_pair(chosen if streaming else None, "speedup_over_streaming",
+                    "speedup_over_streaming", 4),
+            **_acceptance_figures(chosen), "rounds": chosen["rounds"]}
+
+
+def _single_figures(config: dict, vanilla: dict | None) -> dict:
+    """Figures from one run of a configuration (and of vanilla): no intervals."""
+    tps = config["tokens_per_second"]
+    van = vanilla["tokens_per_second"] if vanilla else None
+    return {"tokens_per_second": round(tps, 3), "tokens_per_second_interval": None,
+            "vanilla_tokens_per_second": None if van is None else round(van, 3),
+            "vanilla_tokens_per_second_interval": None,
+            "streaming_tokens_per_second": None, "streaming_tokens_per_second_interval": None,
+            "speedup": None if not van else round(tps / van, 4), "speedup_interval": None,
+            "speedup_over_streaming": None, "speedup_over_streaming_interval": None,
+            **_acceptance_figures(config), "rounds": 1}
+
+
+def _acceptance_figures(attrs: dict) -> dict:
+    return {"mean_accepted_length": round(attrs["mean_accepted_length"], 4),
+            "acceptance_by_position": [round(a, 4) for a in attrs["acceptance_by_position"]],
+            "selection_overhead": round(attrs["selection_overhead"], 5)}
+
+
+def _acceptance_words(done: list) -> str:
+    top = max(done, key=lambda t: t.value)
+    return f"sparsity {top.params['sparsity']:g}: {top.value:.2f} tokens per iteration"
 
 
 def _studies_named(storage, study_name: str) -> list:
@@ -689,3 +1000,22 @@ def sparsity_grid(text: str) -> tuple[float, ...]:
         raise VegasError(f"--sparsity-grid '{text}': every ratio must be in (0, 1]")
     return grid
 
+
+
+def batch_sizes(text: str | int) -> tuple[int, ...]:
+    """'1,16,64' -> (1, 16, 64): batch sizes to tune, each a whole number >= 1, no
+    repeats; returned ascending."""
+    parts = [p.strip() for p in str(text).split(",")]
+    try:
+        sizes = [int(p) for p in parts]
+    except ValueError:
+        raise VegasError(f"--batch-size '{text}' is not a whole number or a comma-separated "
+                         "list of them, e.g. 1,16,64") from None
+    bad = [s for s in sizes if s < 1]
+    if bad:
+        raise VegasError(f"--batch-size '{text}': every size must be >= 1, got {bad[0]}")
+    repeated = sorted({s for s in sizes if sizes.count(s) > 1})
+    if repeated:
+        raise VegasError(f"--batch-size '{text}': {repeated[0]} is given twice; list each "
+                         "size once")
+    return tuple(sorted(sizes))
