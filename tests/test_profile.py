@@ -4,17 +4,25 @@ from __future__ import annotations
 
 import copy
 import json
+import math
+from pathlib import Path
 
 import pytest
 import yaml
 
 from vegas_core.errors import VegasError
 from vegas_tune.export import (VLLM_NOTE, VLLM_TARGET, build_exports, engine_settings,
-                               render_export, vllm_serve_config, vllm_speculative_config)
+                               recommendation_note, render_export, vllm_serve_config,
+                               vllm_speculative_config)
 from vegas_tune.profile import (SCHEMA_VERSION, Profile, Tuned, diff_profiles, load_profile,
                                 profile_from_dict, profile_to_dict, write_profile)
 
+REPO = Path(__file__).resolve().parent.parent
+# A committed profile of the previous schema (2): one batch size, not recommended.
+SCHEMA_2_FILE = REPO / "profiles" / "smollm2-135m" / "h200-8k.yaml"
 MODEL_ID = "meta-llama/Llama-3.1-8B-Instruct"
+# The sample's served length: ctx 8192 plus 256 new tokens.
+MAX_MODEL_LEN = 8192 + 256
 TUNED = dict(drafter="vegas", gamma=6, sparsity_ratio=0.05, min_tokens=256, collect="two",
              score="logit", granularity="layer", window=0.125)
 
@@ -325,13 +333,38 @@ def test_speedup_and_acceptance_drops_regress(field):
     new = sample_profile(**{field: getattr(old.results, field) * 0.8})
     diff = diff_profiles(old, new, tolerance=0.1)
     assert diff.regressed
-    assert diff.regressions[0].startswith(f"results.{field}")
+    assert diff.regressions[0].startswith(f"batch 64: results.{field}")
+
+
+def test_diff_judges_each_batch_size_of_the_schedule():
+    old = sample_profile_dict()
+    new = copy.deepcopy(old)
+    small = new["schedule"][0]["results"]
+    small.update(tokens_per_second=small["tokens_per_second"] * 0.5,
+                 tokens_per_second_interval=[x * 0.5 for x in small["tokens_per_second_interval"]])
+    diff = diff_profiles(profile_from_dict(old), profile_from_dict(new), tolerance=0.1)
+    assert diff.regressions == [
+        "batch 1: results.tokens_per_second (throughput) fell 50.0%: 25.1 -> 12.55, beyond the "
+        "10.0% tolerance"]
+    # A size tuned before and missing now, and a speculative entry turned vanilla.
+    fewer = copy.deepcopy(old)
+    fewer["schedule"] = fewer["schedule"][1:]
+    fewer["schedule"][0]["batch_min"] = 1
+    fewer["workload"]["batch_sizes"] = [64]
+    lost = diff_profiles(profile_from_dict(old), profile_from_dict(fewer), tolerance=0.1)
+    assert lost.regressions == ["batch 1: tuned in the old profile, not in the new one"]
+    vanilla = copy.deepcopy(old)
+    vanilla["recommended"] = False
+    turned = diff_profiles(profile_from_dict(old), profile_from_dict(sync_headline(vanilla)),
+                           tolerance=0.1)
+    assert "batch 64: ran speculatively in the old profile, now vanilla" in turned.regressions
 
 
 def test_losing_the_recommendation_regresses():
     data = sample_profile_dict()
     data["recommended"] = False
-    not_recommended = profile_from_dict(data)
+    not_recommended = profile_from_dict(sync_headline(data))  # the headline runs vanilla
+    assert not_recommended.headline.config == "vanilla"
     diff = diff_profiles(sample_profile(), not_recommended, tolerance=0.05)
     assert diff.regressed
     assert ("recommended", True, False) in diff.changes
@@ -359,17 +392,29 @@ def test_vllm_speculative_config_keys_and_values():
 
 def test_vllm_serve_config_nests_the_speculative_config():
     tuned = Tuned(**TUNED)
-    serve = vllm_serve_config(MODEL_ID, tuned)
-    assert serve == {"model": MODEL_ID, "speculative-config": vllm_speculative_config(tuned)}
+    serve = vllm_serve_config(MODEL_ID, tuned, 64, MAX_MODEL_LEN)
+    assert serve == {"model": MODEL_ID, "max-num-seqs": 64, "max-model-len": MAX_MODEL_LEN,
+                     "speculative-config": vllm_speculative_config(tuned)}
     assert isinstance(serve["speculative-config"], dict)
+    # No configuration (vanilla): the same serve settings, no speculative key.
+    assert vllm_serve_config(MODEL_ID, None, 8, 100) == {
+        "model": MODEL_ID, "max-num-seqs": 8, "max-model-len": 100}
 
 
 def test_build_exports_carries_target_note_and_json():
-    exports = build_exports(MODEL_ID, Tuned(**TUNED))
+    exports = build_exports(MODEL_ID, Tuned(**TUNED), 64, MAX_MODEL_LEN)
     assert exports.vllm.target == VLLM_TARGET
-    assert exports.vllm.note == VLLM_NOTE
+    # The sample's score and window differ from what the fork fixes: the note says so.
+    assert exports.vllm.note.startswith(VLLM_NOTE)
+    assert "score 'logit' (fork: 'weight')" in exports.vllm.note
+    assert "window 0.125 (fork: 0.0)" in exports.vllm.note
+    assert exports.vllm.serve_config["max-num-seqs"] == 64
+    assert exports.vllm.serve_config["max-model-len"] == MAX_MODEL_LEN
     assert json.loads(exports.vllm.speculative_config_json) == \
         vllm_speculative_config(Tuned(**TUNED))
+    # Settings the fork runs as tuned add nothing to the note.
+    as_fork = Tuned(**{**TUNED, "score": "weight", "window": 0.0})
+    assert build_exports(MODEL_ID, as_fork, 64, MAX_MODEL_LEN).vllm.note == VLLM_NOTE
 
 
 def test_vllm_yaml_render_parses_back_to_the_serve_config():
@@ -377,7 +422,8 @@ def test_vllm_yaml_render_parses_back_to_the_serve_config():
     text = render_export(profile, "vllm", "yaml")
     assert text.startswith("# ")
     assert "stock vLLM" in text.splitlines()[0]
-    assert yaml.safe_load(text) == vllm_serve_config(MODEL_ID, profile.tuned)
+    # By default the largest tuned size (the headline's, 64) is served.
+    assert yaml.safe_load(text) == vllm_serve_config(MODEL_ID, profile.tuned, 64, MAX_MODEL_LEN)
 
 
 def test_vllm_json_render_parses_to_the_speculative_config():
@@ -430,3 +476,250 @@ def test_git_revision_marks_uncommitted_changes(monkeypatch, head, status, expec
 
     monkeypatch.setattr(pipeline.subprocess, "run", fake_run)
     assert pipeline.git_revision() == expected
+
+
+# --- schema 2 profiles, upgraded on load ---------------------------------------------
+
+def schema_2_dict() -> dict:
+    """The sample as the previous schema wrote it: one batch size (64), no schedule,
+    exports without the served concurrency and length."""
+    data = sample_profile_dict()
+    data["schema_version"] = 2
+    del data["schedule"], data["workload"]["batch_sizes"]
+    tuned = Tuned(**TUNED)
+    speculative = vllm_speculative_config(tuned)
+    data["exports"] = {
+        "vllm": {"target": VLLM_TARGET, "note": VLLM_NOTE,
+                 "serve_config": {"model": MODEL_ID, "speculative-config": speculative},
+                 "speculative_config_json": json.dumps(speculative, indent=2)},
+        "vegas": engine_settings(tuned)}
+    return data
+
+
+def test_committed_schema_2_file_loads_as_a_one_entry_schedule(tmp_path):
+    raw = yaml.safe_load(SCHEMA_2_FILE.read_text())
+    assert raw["schema_version"] == 2 and "schedule" not in raw  # what this test is about
+    batch = raw["workload"]["batch_size"]
+    profile = load_profile(SCHEMA_2_FILE)
+    assert profile.schema_version == SCHEMA_VERSION == 3
+    assert len(profile.schedule) == 1
+    entry = profile.schedule[0]
+    assert (entry.batch_min, entry.batch_max, entry.batch_size) == (1, batch, batch)
+    # Not recommended: the entry runs vanilla and keeps what was measured as `measured`.
+    assert raw["recommended"] is False and profile.recommended is False
+    assert entry.config == "vanilla" and entry.measured == Tuned(**raw["tuned"])
+    assert profile.tuned == Tuned(**raw["tuned"])
+    # The figures are unchanged, and the headline repeats the one entry.
+    assert entry.results.model_dump() == {**entry.results.model_dump(), **raw["results"]}
+    assert profile.results == entry.results
+    assert profile.workload.batch_sizes == [batch] and profile.not_tuned == []
+    serve = profile.exports.vllm.serve_config
+    assert serve["model"] == raw["exports"]["vllm"]["serve_config"]["model"]
+    assert serve["max-num-seqs"] == batch
+    assert serve["max-model-len"] == raw["workload"]["ctx"] + raw["workload"]["max_new_tokens"]
+    # Written back, it is a schema 3 file that loads to the same profile.
+    path = tmp_path / "upgraded.yaml"
+    write_profile(profile, path)
+    assert yaml.safe_load(path.read_text())["schema_version"] == 3
+    assert load_profile(path) == profile
+    assert diff_profiles(load_profile(SCHEMA_2_FILE), load_profile(path), 0.0).changes == []
+
+
+def test_recommended_schema_2_profile_becomes_a_speculative_entry():
+    profile = profile_from_dict(schema_2_dict(), source="old.yaml")
+    assert len(profile.schedule) == 1
+    entry = profile.headline
+    assert (entry.batch_min, entry.batch_max, entry.batch_size) == (1, 64, 64)
+    assert entry.config == Tuned(**TUNED) and entry.measured is None
+    assert profile.recommended is True and profile.results == entry.results
+    assert profile.exports == build_exports(MODEL_ID, Tuned(**TUNED), 64, MAX_MODEL_LEN)
+    # Schema 2 also needed the speedup interval above 1 to recommend; that still holds.
+    data = schema_2_dict()
+    data["results"].update(speedup=1.01, speedup_interval=[0.97, 1.05])
+    with pytest.raises(VegasError) as error:
+        profile_from_dict(data, source="old.yaml")
+    assert_one_line(error, "old.yaml: invalid profile: schedule[0].config: speculative, but the "
+                           "speedup interval [0.97, 1.05] does not lie wholly above 1")
+
+
+@pytest.mark.parametrize("change, expected", [
+    # A bad value is named as in any profile, not hidden behind the upgrade.
+    (lambda d: d["tuned"].update(gamma=0),
+     "tuned.gamma: Input should be greater than or equal to 1"),
+    (lambda d: d["workload"].update(ctx="8k"), "workload.ctx: Input should be a valid integer"),
+    (lambda d: d["results"].update(speedup=math.nan), "results.speedup: Input should be a finite"),
+    # Data the upgrade cannot work with at all.
+    (lambda d: d.pop("workload"),
+     "a schema 2 profile that cannot be read as schema 3 (KeyError: 'workload')"),
+], ids=["tuned.gamma", "workload.ctx", "results.speedup", "no-workload"])
+def test_bad_schema_2_file_is_one_line_naming_the_problem(tmp_path, change, expected):
+    data = yaml.safe_load(SCHEMA_2_FILE.read_text())
+    change(data)
+    path = tmp_path / "old.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    with pytest.raises(VegasError) as error:
+        load_profile(path)
+    assert_one_line(error, f"{path}: invalid profile: {expected}")
+
+
+# --- the schedule --------------------------------------------------------------------
+
+# The configuration the three-size sample runs at batch sizes 2 to 8.
+MID_TUNED = dict(TUNED, gamma=4, sparsity_ratio=0.1, min_tokens=128)
+
+
+def three_size_profile_dict() -> dict:
+    """The sample tuned at batch sizes 1 (vanilla, for 1), 8 (MID_TUNED, for 2 to 8) and
+    64 (TUNED, the headline, for 9 to 64)."""
+    data = sample_profile_dict()
+    data["workload"]["batch_sizes"] = [1, 8, 64]
+    data["schedule"][0]["batch_max"] = 1
+    mid = copy.deepcopy(data["schedule"][1])
+    mid.update(batch_min=2, batch_max=8, batch_size=8, config=dict(MID_TUNED), reason="fastest")
+    mid["results"].update(speedup=1.6, speedup_interval=[1.5, 1.7], mean_accepted_length=3.5,
+                          acceptance_by_position=[0.9, 0.8, 0.7, 0.6])
+    data["schedule"].insert(1, mid)
+    return sync_headline(data)
+
+
+def test_three_size_sample_is_valid():
+    profile = profile_from_dict(three_size_profile_dict())
+    assert [(e.batch_min, e.batch_max) for e in profile.schedule] == [(1, 1), (2, 8), (9, 64)]
+    assert profile.entry_for(5).config == Tuned(**MID_TUNED)
+
+
+@pytest.mark.parametrize("index, change, expected", [
+    (1, {"batch_min": 3}, "schedule[1].batch_min: 3; expected 2"),  # a gap after 1
+    (2, {"batch_min": 10}, "schedule[2].batch_min: 10; expected 9"),  # a gap after 8
+    (1, {"batch_min": 1}, "schedule[1].batch_min: 1; expected 2"),  # overlaps 1
+    (2, {"batch_min": 8}, "schedule[2].batch_min: 8; expected 9"),  # overlaps 8
+    (0, {"batch_max": 4}, "schedule[1].batch_min: 2; expected 5"),  # overlaps 2 to 4
+    (0, {"batch_min": 0}, "schedule[0].batch_min: Input should be greater than or equal to 1"),
+])
+def test_schedule_gaps_and_overlaps_are_refused(tmp_path, index, change, expected):
+    data = three_size_profile_dict()
+    data["schedule"][index].update(change)
+    path = tmp_path / "ranges.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    with pytest.raises(VegasError) as error:
+        load_profile(path)
+    assert_one_line(error, f"{path}: invalid profile: {expected}")
+
+
+def test_schedule_must_start_at_batch_size_1():
+    data = sample_profile_dict()
+    data["schedule"][0].update(batch_min=2, batch_size=2)
+    with pytest.raises(VegasError) as error:
+        profile_from_dict(data, source="mem")
+    assert_one_line(error, "mem: invalid profile: schedule[0].batch_min: 2; expected 1: the "
+                           "ranges start at 1 and follow each other without gaps or overlaps")
+
+
+# --- serving one batch size ----------------------------------------------------------
+
+@pytest.mark.parametrize("serve_batch, config", [
+    (1, None), (2, MID_TUNED), (5, MID_TUNED), (8, MID_TUNED), (9, TUNED), (30, TUNED),
+    (64, TUNED),
+])
+def test_serve_batch_picks_the_entry_whose_range_holds_it(serve_batch, config):
+    profile = profile_from_dict(three_size_profile_dict())
+    text = render_export(profile, "vllm", "yaml", serve_batch=serve_batch)
+    serve = yaml.safe_load(text)
+    assert serve["model"] == MODEL_ID
+    assert serve["max-num-seqs"] == serve_batch and serve["max-model-len"] == MAX_MODEL_LEN
+    vllm_json = json.loads(render_export(profile, "vllm", "json", serve_batch=serve_batch))
+    vegas = json.loads(render_export(profile, "vegas", "json", serve_batch=serve_batch))
+    note = recommendation_note(profile, "p.yaml", False, serve_batch=serve_batch)
+    if config is None:
+        assert "speculative-config" not in serve and vllm_json is None and vegas is None
+        assert f"Vanilla decoding at {serve_batch} concurrent sequences" in text
+        assert note == ("warning: p.yaml runs vanilla at batch 1 (measured at 1: speedup 0.81x, "
+                        "interval [0.79, 0.83]): exporting vanilla decoding; pass --force to "
+                        "export the measured speculative settings")
+    else:
+        tuned = Tuned(**config)
+        assert serve["speculative-config"] == vllm_speculative_config(tuned) == vllm_json
+        assert vegas == engine_settings(tuned)
+        assert note is None
+
+
+def test_serve_batch_forced_on_a_vanilla_entry_exports_what_it_measured():
+    profile = profile_from_dict(three_size_profile_dict())
+    serve = yaml.safe_load(render_export(profile, "vllm", "yaml", force=True, serve_batch=1))
+    assert serve["max-num-seqs"] == 1
+    assert serve["speculative-config"] == vllm_speculative_config(Tuned(**TUNED))
+    note = recommendation_note(profile, "p.yaml", True, serve_batch=1)
+    assert note.startswith("note: p.yaml runs vanilla at batch 1") and "--force" in note
+
+
+@pytest.mark.parametrize("serve_batch", [0, -3, 65, 1000])
+def test_serve_batch_outside_the_tuned_sizes_is_refused(serve_batch):
+    profile = profile_from_dict(three_size_profile_dict())
+    for call in (lambda: render_export(profile, "vllm", "yaml", serve_batch=serve_batch),
+                 lambda: render_export(profile, "vegas", "json", serve_batch=serve_batch),
+                 lambda: recommendation_note(profile, "p.yaml", False, serve_batch=serve_batch)):
+        with pytest.raises(VegasError) as error:
+            call()
+        assert_one_line(error, f"--serve-batch {serve_batch} lies outside the tuned sizes "
+                               "(1, 8, 64); give 1 to 64")
+        # Only a size above the largest can be reached by tuning further.
+        assert ("re-tune with --batch-size up to" in str(error.value)) is (serve_batch > 64)
+
+
+# --- dense drafts: a sparsity ratio of 1 ---------------------------------------------
+
+def _dense_profile_dict() -> dict:
+    data = sample_profile_dict()
+    data["tuned"]["sparsity_ratio"] = 1.0
+    return sync_headline(data)
+
+
+def _numbers(value):
+    """Every number inside nested data."""
+    if isinstance(value, dict):
+        for item in value.values():
+            yield from _numbers(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _numbers(item)
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        yield value
+
+
+def test_dense_drafts_export_no_speculative_config(tmp_path):
+    profile = profile_from_dict(_dense_profile_dict())
+    assert profile.tuned.sparsity_ratio == 1.0
+    vllm = profile.exports.vllm
+    assert vllm.serve_config == {"model": MODEL_ID, "max-num-seqs": 64,
+                                 "max-model-len": MAX_MODEL_LEN}
+    assert json.loads(vllm.speculative_config_json) is None
+    assert "drafts densely" in vllm.note
+    for force in (False, True):
+        text = render_export(profile, "vllm", "yaml", force=force, serve_batch=64)
+        assert yaml.safe_load(text) == vllm.serve_config
+        assert "speculative-config" not in text and "sparse_attn_ratio" not in text
+        assert "1.0" not in text
+        assert render_export(profile, "vllm", "json", force=force) == "null\n"
+    assert 1.0 not in list(_numbers(vllm.model_dump()))  # 1 == 1.0: no 1 either
+    # This engine does draft densely: its own settings keep the ratio.
+    assert json.loads(render_export(profile, "vegas", "json"))["sparsity"] == 1.0
+    path = tmp_path / "dense.yaml"
+    write_profile(profile, path)
+    assert load_profile(path) == profile
+
+
+def test_dense_drafts_with_a_stale_speculative_config_are_refused():
+    data = _dense_profile_dict()
+    stale = vllm_speculative_config(Tuned(**TUNED))
+    data["exports"]["vllm"]["serve_config"]["speculative-config"] = {**stale,
+                                                                     "sparse_attn_ratio": 1.0}
+    with pytest.raises(VegasError) as error:
+        profile_from_dict(data, source="mem")
+    assert_one_line(error, "mem: invalid profile: exports.vllm.serve_config.speculative-config: "
+                           "not derived from tuned")
+    data = _dense_profile_dict()
+    data["exports"]["vllm"]["speculative_config_json"] = json.dumps(stale)
+    with pytest.raises(VegasError) as error:
+        profile_from_dict(data, source="mem")
+    assert_one_line(error, "mem: invalid profile: exports.vllm.speculative_config_json: "
+                           "expected null")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import re
+import types
 import typing
 from pathlib import Path
 
@@ -66,25 +67,44 @@ def models_by_path(model: type[BaseModel] = Profile, prefix: str = "") -> dict[s
     return found
 
 
+def _may_hold_a_plain_value(annotation) -> bool:
+    """Whether a field that holds a profile model may hold a plain value instead
+    (``config: vanilla``); null does not count: it holds nothing."""
+    if typing.get_origin(annotation) not in (typing.Union, types.UnionType):
+        return False
+    return any(arg is not type(None) and typing.get_origin(arg) is not list
+               and not (isinstance(arg, type) and issubclass(arg, BaseModel))
+               for arg in typing.get_args(annotation))
+
+
 def schema_paths(model: type[BaseModel] = Profile, prefix: str = "") -> set[str]:
     """Every field's dotted path, optional ones included; a field that holds free-form
-    data (``chosen``, ``within_noise``, ``exports.vegas``, ``serve_config``) is a leaf."""
+    data (``chosen``, ``within_noise``, ``exports.vegas``, ``serve_config``) is a leaf.
+    A field that holds a model or a plain value (``schedule[].config``) is a leaf and
+    has its model's paths below it: the example must show it both ways."""
     paths = set()
     for name, info in model.model_fields.items():
         path = f"{prefix}.{name}" if prefix else name
         inner, is_list = _model_in(info.annotation)
-        if inner is None:
+        if inner is None or _may_hold_a_plain_value(info.annotation):
             paths.add(path)
-        else:
+        if inner is not None:
             paths |= schema_paths(inner, path + (LIST_MARK if is_list else ""))
     return paths
 
 
 def example_paths(data, leaves: set[str], prefix: str = "") -> set[str]:
     """Every key path of ``data``, lists of mappings written ``[]``; the walk stops at a
-    schema leaf, so free-form mappings count as one path. An empty list of mappings adds
-    no path: its fields must show in another item (another step's ``predictions``)."""
-    if prefix in leaves or not isinstance(data, (dict, list)):
+    schema leaf, so free-form mappings count as one path, except at a field that may hold
+    a model or a plain value, where a mapping is walked. An empty list of mappings, or a
+    null where a model may stand (``measured: null``), adds no path: its fields must show
+    in another item (another step's ``predictions``, another entry's ``measured``)."""
+    below = any(path.startswith((prefix + ".", prefix + LIST_MARK)) for path in leaves)
+    if prefix in leaves and not (below and isinstance(data, dict)):
+        return {prefix}
+    if data is None and below:
+        return set()
+    if not isinstance(data, (dict, list)):
         return {prefix}
     if isinstance(data, list):
         return set().union(*(example_paths(item, leaves, prefix + LIST_MARK) for item in data))
@@ -131,14 +151,24 @@ def intervals(mapping: dict):
             yield name, mapping[name], value, mapping[name + BOUND_SUFFIXES[1]]
 
 
+# Relative slack between a figure and what it derives from: the profile rounds speedups
+# to 4 digits, throughputs and accepted lengths to a few decimals.
+ROUNDING = 1e-3
+
+
 def test_example_makes_sense():
     """What the profile's semantic validation asks, checked here too, so the example
-    holds to it whichever checks ``profile_from_dict`` makes."""
+    holds to it whichever checks ``profile_from_dict`` makes; and the arithmetic the doc
+    describes (speedups as ratios of throughputs, accepted length as 1 + the acceptance
+    by position, the schedule's ranges) holds in it."""
     data = example()
-    results, tuned = data["results"], data["tuned"]
+    results, tuned, workload = data["results"], data["tuned"], data["workload"]
+    schedule = data["schedule"]
     for path, value in numbers(data):
         assert math.isfinite(value), path
-    mappings = [("results", results)]
+    figure_sets = [("results", results)] + [(f"schedule[{index}].results", entry["results"])
+                                            for index, entry in enumerate(schedule)]
+    mappings = list(figure_sets)
     for index, step in enumerate(data["steps"]):
         mappings.append((f"steps[{index}].chosen", step["chosen"]))
         mappings += [(f"steps[{index}].within_noise", item) for item in step["within_noise"]]
@@ -149,9 +179,41 @@ def test_example_makes_sense():
             assert low <= mean <= high, f"{where}.{name}: {mean} outside [{low}, {high}]"
             checked += 1
     assert checked > len(mappings) // 2
+
+    # The schedule: several sizes, ranges as build_schedule makes them, speculation only
+    # where the speedup's whole interval lies above 1, the headline its last entry.
+    assert len(schedule) >= 2, "the example shows a schedule of several batch sizes"
+    for index, entry in enumerate(schedule):
+        where = f"schedule[{index}]"
+        following = schedule[index + 1]["batch_size"] - 1 if index + 1 < len(schedule) else None
+        assert entry["batch_min"] == (1 if index == 0 else entry["batch_size"]), where
+        assert entry["batch_max"] == (following or entry["batch_size"]), where
+        speculative = entry["config"] != "vanilla"
+        interval = entry["results"]["speedup_interval"]
+        assert speculative == (interval is not None and interval[0] > 1), where
+        settings = entry["config"] if speculative else entry["measured"]
+        assert len(entry["results"]["acceptance_by_position"]) == settings["gamma"], where
+    head = schedule[-1]
+    assert tuned == (head["config"] if head["config"] != "vanilla" else head["measured"])
+    assert results == head["results"]
+    assert data["recommended"] == (head["config"] != "vanilla")
+    assert workload["batch_size"] == head["batch_size"]
     assert len(results["acceptance_by_position"]) == tuned["gamma"]
     assert results["speedup_interval"][0] > 1 or not data["recommended"]
-    assert data["exports"] == build_exports(data["model"]["id"], Tuned(**tuned)).model_dump()
+
+    for where, figures in figure_sets:
+        accepted = 1 + sum(figures["acceptance_by_position"])
+        assert math.isclose(figures["mean_accepted_length"], accepted, rel_tol=ROUNDING), where
+        for ratio, below in (("speedup", "vanilla_tokens_per_second"),
+                             ("speedup_over_streaming", "streaming_tokens_per_second")):
+            if figures[ratio] is not None:
+                quotient = figures["tokens_per_second"] / figures[below]
+                assert math.isclose(figures[ratio], quotient, rel_tol=ROUNDING), f"{where}.{ratio}"
+
+    # Exports serve the headline's settings at its batch size and the tuned length.
+    assert data["exports"] == build_exports(
+        data["model"]["id"], Tuned(**tuned), head["batch_size"],
+        workload["ctx"] + workload["max_new_tokens"]).model_dump()
     # The cheapest-within-noise rule the doc describes holds in the example.
     for step in data["steps"]:
         chosen = step["chosen"]
@@ -162,9 +224,10 @@ def test_example_makes_sense():
 
 # --- the field tables -----------------------------------------------------------------
 
-def field_tables() -> dict[str, list[str]]:
-    """Heading (backticks dropped) -> the field names of the field table under it."""
-    tables: dict[str, list[str]] = {}
+def field_tables() -> dict[str, list[tuple[str, str]]]:
+    """Heading (backticks dropped) -> the (field name, meaning) rows of the field table
+    under it."""
+    tables: dict[str, list[tuple[str, str]]] = {}
     heading = None
     lines = doc_text().splitlines()
     for index, line in enumerate(lines):
@@ -172,27 +235,43 @@ def field_tables() -> dict[str, list[str]]:
             heading = line.lstrip("#").strip().strip("`")
         elif line.strip() == FIELD_TABLE_HEADER:
             assert heading not in tables, f"two field tables under {heading!r}"
-            names = []
+            rows = []
             for row in lines[index + 2:]:
                 if not row.startswith("|"):
                     break
-                names.append(row.split("|")[1].strip().strip("`"))
-            tables[heading] = names
+                cells = row.split("|")
+                rows.append((cells[1].strip().strip("`"), "|".join(cells[3:])))
+            tables[heading] = rows
     return tables
 
 
 def test_every_model_has_a_field_table_naming_exactly_its_fields():
+    """One field table per model, under the heading of the first path that holds it
+    (``Top level`` for Profile). A model held at several paths (``Tuned`` at ``tuned``,
+    ``schedule[].config``, ``schedule[].measured``) is tabled once: the row of each
+    other path names the heading of its table."""
     models = models_by_path()
+    documented: dict[type, str] = {}
+    for path, model in models.items():  # schema order: a model's first path comes first
+        documented.setdefault(model, TOP_LEVEL_HEADING if path == "" else path)
     tables = field_tables()
-    headings = {TOP_LEVEL_HEADING if path == "" else path: model
-                for path, model in models.items()}
-    assert set(tables) == set(headings), "field tables and schema models differ"
-    for heading, names in tables.items():
-        model = headings[heading]
+    assert set(tables) == set(documented.values()), "field tables and schema models differ"
+    for model, heading in documented.items():
+        names = [name for name, _ in tables[heading]]
         assert len(names) == len(set(names)), f"{heading}: a field is listed twice"
         assert names == list(model.model_fields), (
             f"{heading}: the table lists {names}, {model.__name__} has "
             f"{list(model.model_fields)} (same fields, in schema order)")
+    for path, model in models.items():
+        heading = documented[model]
+        if path in ("", heading):
+            continue
+        parent, _, name = path.removesuffix(LIST_MARK).rpartition(".")
+        parent_heading = documented[models[parent]]
+        meaning = dict(tables[parent_heading])[name]
+        assert f"`{heading}`" in meaning, (
+            f"{parent_heading}: the row of {name!r} holds a {model.__name__} without "
+            f"naming `{heading}`, where its fields are tabled")
 
 
 @pytest.mark.parametrize("stale", ["vegas-tune run", "LlamaForCausalLM", "name: options",

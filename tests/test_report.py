@@ -59,7 +59,7 @@ PREDICTIONS = [
 def make_profile(recommended: bool = True) -> dict:
     return {
         "recommended": recommended,
-        "tuned": {"gamma": 6, "sparsity_ratio": 0.05, "min_tokens": 256, "collect": "max",
+        "tuned": {"drafter": "vegas", "gamma": 6, "sparsity_ratio": 0.05, "min_tokens": 256, "collect": "max",
                   "score": "vegas", "granularity": "token", "window": 64},
         "model": {"id": "smollm2-135m"},
         "workload": {"ctx": 8192, "batch_size": 1, "max_new_tokens": 128, "temperature": 0.0,
@@ -241,10 +241,12 @@ def test_artifacts_keep_the_whole_stem_of_a_dotted_profile_name(tmp_path):
     profile = make_profile()
     paths = write_artifacts(profile, tune_result(profile), tmp_path / "my.v2")
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "my.v2.acceptance.png", "my.v2.report.md", "my.v2.throughput.png", "my.v2.trials.csv"]
+        "my.v2.acceptance.png", "my.v2.batch.png", "my.v2.report.md", "my.v2.throughput.png",
+        "my.v2.trials.csv"]
     assert paths["trials"] == str(tmp_path / "my.v2.trials.csv")
     report = (tmp_path / "my.v2.report.md").read_text()
     assert "(my.v2.acceptance.png)" in report and "(my.v2.throughput.png)" in report
+    assert "(my.v2.batch.png)" in report and paths["batch_plot"] == str(tmp_path / "my.v2.batch.png")
 
 
 def test_artifacts_plots_mark_the_profiles_tuned_values(tmp_path, monkeypatch):
@@ -287,8 +289,9 @@ def test_report_states_the_tuned_values_speedups_and_images(tmp_path):
     assert "![Acceptance vs sparsity](acceptance.png)" in text
     assert "![Throughput vs gamma](plots/throughput.png)" in text
     # Gamma predictions: predicted and measured side by side, n/a where not measured.
-    assert "| 4 | 128.0 | 130.5 | n/a |" in text and "| 8 | 133.0 | n/a | n/a |" in text
-    assert "| 6 | 139.0 | 141.2 | 1.41x [1.37, 1.45] |" in text
+    assert "| 4 | n/a | 128.0 | 130.5 | -1.9% | n/a |" in text
+    assert "| 8 | n/a | 133.0 | n/a | n/a | n/a |" in text
+    assert "| 6 | n/a | 139.0 | 141.2 | -1.6% | 1.41x [1.37, 1.45] |" in text
     # A step's chosen measurement with its interval folded in.
     assert "gamma=6, tokens_per_second=141.2, speedup=1.41 [1.37, 1.45]" in text
     # Best trials: the gamma step ranked by measured tokens/s, best first, with intervals.
@@ -426,3 +429,98 @@ def test_report_of_a_rerun_says_what_changed_from_the_profile_it_replaced(tmp_pa
 
     plain = write_report(new, TRIALS, tmp_path / "r.md", {}).read_text()
     assert "Changes from the previous profile" not in plain
+
+
+# --- batch sizes ---------------------------------------------------------------------
+
+def schedule_profile() -> dict:
+    """make_profile's figures at batch 64, behind a vanilla entry measured at batch 1."""
+    profile = make_profile()
+    head = copy.deepcopy(profile["results"])
+    small = {**copy.deepcopy(head), "tokens_per_second": 80.0,
+             "tokens_per_second_interval": [78.0, 82.0], "speedup": 0.8,
+             "speedup_interval": [0.78, 0.82]}
+    profile["workload"].update(batch_size=64, batch_sizes=[1, 64])
+    profile["schedule"] = [
+        {"batch_min": 1, "batch_max": 63, "batch_size": 1, "config": "vanilla",
+         "measured": dict(profile["tuned"]), "results": small,
+         "reason": "vanilla: the best speculative configuration measured 0.80x, below 1"},
+        {"batch_min": 64, "batch_max": 64, "batch_size": 64, "config": dict(profile["tuned"]),
+         "results": head, "reason": "vegas gamma 6: 1.41x [1.38, 1.46] vanilla"}]
+    return profile
+
+
+def test_batch_plot_draws_vanilla_streaming_and_the_best_per_size(tmp_path):
+    from vegas_tune.report import batch_figure, plot_throughput_vs_batch
+
+    profile = schedule_profile()
+    axes = batch_figure(profile).axes[0]
+    labels = axes.get_legend_handles_labels()[1]
+    assert any(label.startswith("vanilla") for label in labels)
+    assert any(label.startswith("streaming") for label in labels)
+    assert "chosen: runs speculatively" in labels
+    bars = [c for c in axes.containers if isinstance(c, ErrorbarContainer)]
+    assert len(bars) == 3
+    # Points at the measured sizes, each series with its own figures.
+    xs, ys = bars[0].lines[0].get_data()
+    assert list(xs) == [1, 64] and list(ys) == [100.0, 100.0]
+    xs, ys = bars[2].lines[0].get_data()
+    assert list(ys) == [80.0, 141.25]
+    path = plot_throughput_vs_batch(profile, tmp_path / "b.png")
+    assert path.read_bytes().startswith(PNG_SIGNATURE)
+
+
+def test_report_has_a_schedule_table_and_a_sentence_per_range(tmp_path):
+    path = write_report(schedule_profile(), TRIALS, tmp_path / "r.md", {})
+    text = path.read_text()
+    section = text.split("## Schedule by batch size")[1].split("\n## ")[0]
+    assert "| 1-63 | 1 | vanilla |" in section
+    assert "| 64-64 | 64 | vegas gamma 6" in section and "1.41x [1.38, 1.46]" in section
+    assert "- **1-63**: vanilla: the best speculative configuration measured 0.80x" in section
+    assert "- **64-64**: vegas gamma 6" in section
+    assert "at batch 64, the largest size tuned" in text
+
+
+def test_report_names_what_was_cut_short_and_not_tuned(tmp_path):
+    profile = schedule_profile()
+    profile["cut_short"] = ["refine at batch 64: 2 of 8 trials finished when --time-budget "
+                            "stopped the run"]
+    profile["not_tuned"] = [{"batch_size": 256, "reason": "out of memory: CUDA out of memory"}]
+    text = write_report(profile, TRIALS, tmp_path / "r.md", {}).read_text()
+    section = text.split("## Cut short and not tuned")[1].split("\n## ")[0]
+    assert "- refine at batch 64: 2 of 8 trials finished" in section
+    assert "- batch 256: out of memory" in section
+    assert "## Cut short" not in write_report(make_profile(), TRIALS, tmp_path / "s.md",
+                                              {}).read_text()
+
+
+def test_cost_model_section_names_each_miss_and_splits_it(tmp_path):
+    profile = make_profile()
+    predictions = [
+        # 2% high: within the tolerance.
+        {"gamma": 4, "sparsity_ratio": 0.05, "predicted_tokens_per_second": 102.0,
+         "predicted_mean_accepted_length": 3.0, "measured_tokens_per_second": 100.0,
+         "measured_mean_accepted_length": 3.0},
+        # 25% high, all of it acceptance: assumed 3.75 tokens, measured 3.0, same time.
+        {"gamma": 6, "sparsity_ratio": 0.05, "predicted_tokens_per_second": 125.0,
+         "predicted_mean_accepted_length": 3.75, "measured_tokens_per_second": 100.0,
+         "measured_mean_accepted_length": 3.0},
+        {"gamma": 8, "sparsity_ratio": 0.05, "predicted_tokens_per_second": 90.0,
+         "measured_tokens_per_second": None},
+    ]
+    profile["steps"][1].update(predictions=predictions, batch_size=16)
+    text = write_report(profile, TRIALS, tmp_path / "r.md", {}).read_text()
+    section = text.split("## Cost model")[1].split("\n## ")[0]
+    assert "Over 2 measured points" in section and "+2.0% to +25.0%" in section
+    assert "gamma @ batch 16, gamma 6, sparsity 0.05" in section
+    assert "(+25.0%)" in section and "mostly acceptance" in section
+    assert "gamma 4," not in section  # within tolerance: not listed
+    table = text.split("## Throughput by gamma (gamma @ batch 16 step)")[1]
+    assert "| 6 | 0.05 | 125.0 | 100.0 | +25.0% |" in table
+
+
+def test_cost_model_section_says_when_every_point_is_within_tolerance(tmp_path):
+    profile = make_profile()
+    text = write_report(profile, TRIALS, tmp_path / "r.md", {}).read_text()
+    section = text.split("## Cost model")[1].split("\n## ")[0]
+    assert "Every measured point lies within the tolerance." in section

@@ -85,9 +85,10 @@ def test_show_export_and_diff(tuned_profile, tmp_path, capsys):
     code, stdout, _ = run(["diff", str(out), str(out)], capsys)
     assert code == 0
     worse = yaml.safe_load(out.read_text())
-    worse["results"]["tokens_per_second"] *= 0.5
-    worse["results"]["tokens_per_second_interval"] = [
-        x * 0.5 for x in worse["results"]["tokens_per_second_interval"]]
+    for results in (worse["results"], worse["schedule"][-1]["results"]):
+        results["tokens_per_second"] *= 0.5
+        results["tokens_per_second_interval"] = [
+            x * 0.5 for x in results["tokens_per_second_interval"]]
     worse_path = tmp_path / "worse.yaml"
     worse_path.write_text(yaml.safe_dump(worse, sort_keys=False))
     code, stdout, _ = run(["diff", str(out), str(worse_path), "--tolerance", "0.1"], capsys)
@@ -424,6 +425,22 @@ def test_batch_list_measures_acceptance_once_and_writes_a_schedule(tmp_path, mon
     assert sorted(s["batch_size"] for s in profile["steps"] if s["name"] == "gamma") == [1, 4, 8]
     code, stdout, _ = run(["validate", str(out)], capsys)
     assert code == 0, stdout
+    code, stdout, _ = run(["show", str(out)], capsys)
+    assert code == 0 and "batch 1-3: vanilla" in stdout and "batch 4-7: vegas gamma" in stdout
+    # The served concurrency picks the entry: vanilla at 2, speculative at 5.
+    code, stdout, err = run(["export", str(out), "--serve-batch", "2"], capsys)
+    serve = yaml.safe_load(stdout)
+    assert code == 0 and serve["max-num-seqs"] == 2 and "speculative-config" not in serve
+    assert "runs vanilla at batch 2" in err
+    code, stdout, err = run(["export", str(out), "--serve-batch", "5"], capsys)
+    serve = yaml.safe_load(stdout)
+    assert code == 0 and serve["max-num-seqs"] == 5 and err == ""
+    assert serve["speculative-config"]["num_speculative_tokens"] == configs[1]["gamma"]
+    assert 0 < serve["speculative-config"]["sparse_attn_ratio"] < 1
+    for bad in ("0", "9"):
+        code, _, err = run(["export", str(out), "--serve-batch", bad], capsys)
+        assert code == 2 and "lies outside the tuned sizes (1, 4, 8)" in err
+        assert len(err.strip().splitlines()) == 1
 
 
 def test_a_size_out_of_memory_is_recorded_and_the_others_go_on(tmp_path, monkeypatch, capsys):

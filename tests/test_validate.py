@@ -1,5 +1,5 @@
 """`vegas-tune validate` checks meaning, not only types; `export` is honest about profiles
-that are not recommended; YAML anchors, aliases and oversized files are refused."""
+whose served entry runs vanilla; YAML anchors, aliases and oversized files are refused."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import time
 import pytest
 import yaml
 
-from tests.test_profile import MODEL_ID, sample_profile_dict
+from tests.test_profile import MAX_MODEL_LEN, MODEL_ID, sample_profile_dict, sync_headline
 from vegas_core.errors import VegasError
 from vegas_core.spec_config import MAX_GAMMA, SpecConfig
 from vegas_tune import cli
-from vegas_tune.export import build_exports, render_export, vllm_speculative_config
+from vegas_tune.export import recommendation_note, render_export, vllm_speculative_config
 from vegas_tune.profile import (MAX_YAML_BYTES, Tuned, profile_from_dict, profile_to_dict,
                                 read_yaml)
 
@@ -48,21 +48,21 @@ def at(data, loc):
 
 
 def with_gamma(data: dict, gamma: int) -> dict:
-    """``data`` with tuned.gamma changed consistently: acceptance and exports follow."""
+    """``data`` with tuned.gamma changed consistently: acceptance, the headline schedule
+    entry and the exports follow."""
     data["tuned"]["gamma"] = gamma
     data["results"]["acceptance_by_position"] = [0.5] * gamma
     data["results"]["mean_accepted_length"] = min(data["results"]["mean_accepted_length"],
                                                   gamma + 1)
-    # model_construct skips validation, so out-of-range gammas still get their exports.
-    data["exports"] = build_exports(MODEL_ID, Tuned.model_construct(**data["tuned"])).model_dump()
-    return data
+    return sync_headline(data)
 
 
 def not_recommended_dict() -> dict:
+    """The sample with its headline (batch 64) running vanilla: it lost to vanilla."""
     data = sample_profile_dict()
     data["recommended"] = False
     data["results"].update(speedup=0.38, speedup_interval=[0.35, 0.41])
-    return data
+    return sync_headline(data)
 
 
 # --- rules, each through `validate` --------------------------------------------------
@@ -117,15 +117,21 @@ BAD_VALUES = [
      "results.speedup_interval: [2.2, 2.3] does not contain speedup 2.12"),
     (("results", "tokens_per_second_interval"), [62.6, 60.2],
      "results.tokens_per_second_interval: [62.6, 60.2] does not contain tokens_per_second"),
+    # acceptance fits gamma: checked on each schedule entry (the headline is the last)
     (("results", "acceptance_by_position"), [0.9] * 5,
-     "results.acceptance_by_position: has 5 entries; expected one per draft position, "
-     "tuned.gamma = 6"),
+     "schedule[1].results.acceptance_by_position: has 5 entries; expected one per draft "
+     "position, config.gamma = 6"),
+    (("schedule", 0, "results", "acceptance_by_position"), [0.9] * 5,
+     "schedule[0].results.acceptance_by_position: has 5 entries; expected one per draft "
+     "position, measured.gamma = 6"),
     (("results", "acceptance_by_position"), [0.9] * 5 + [1.2],
      "results.acceptance_by_position[5]: Input should be less than or equal to 1"),
     (("results", "mean_accepted_length"), 0.5,
      "results.mean_accepted_length: Input should be greater than or equal to 1"),
     (("results", "mean_accepted_length"), 7.5,
-     "results.mean_accepted_length: 7.5 exceeds tuned.gamma + 1 = 7"),
+     "schedule[1].results.mean_accepted_length: 7.5 exceeds config.gamma + 1 = 7"),
+    (("results", "speedup_interval"), None,
+     "results.speedup_interval: missing; 5 rounds give speedup an interval"),
     (("results", "selection_overhead"), 1.5, "results.selection_overhead: Input should be less"),
     (("results", "rounds"), 0, "results.rounds: Input should be greater than or equal to 1"),
     (("results", "confidence"), 1.0, "results.confidence: Input should be less than 1"),
@@ -135,9 +141,12 @@ BAD_VALUES = [
      "measured_speedup 2.12"),
     (("steps", 2, "predictions", 1, "measured_speedup"), None,
      "steps[2].predictions[1].measured_speedup_interval: given without measured_speedup"),
-    # the recommendation needs the whole speedup interval above 1
+    # a speculative entry needs its whole speedup interval above 1
     (("results", "speedup_interval"), [0.98, 2.19],
-     "recommended: true, but the speedup interval [0.98, 2.19] does not lie wholly above 1"),
+     "schedule[1].config: speculative, but the speedup interval [0.98, 2.19] does not lie "
+     "wholly above 1"),
+    (("schedule", 0, "config"), dict(sample_profile_dict()["tuned"]),
+     "schedule[0].measured: only a vanilla entry has one"),
     # exports derived from tuned
     (("exports", "vegas", "window"), 0.0,
      "exports.vegas.window: 0.0 contradicts tuned, which gives 0.125"),
@@ -146,7 +155,16 @@ BAD_VALUES = [
      "exports.vllm.serve_config.speculative-config.sparse_attn_ratio: 0.5 contradicts tuned, "
      "which gives 0.05"),
     (("exports", "vllm", "serve_config", "speculative-config"), None,
-     "exports.vllm.serve_config.speculative-config: expected the speculative config mapping"),
+     "exports.vllm.serve_config.speculative-config: None contradicts tuned, which gives "
+     "{'method': 'sparse_attn'"),
+    # exports serve the headline's batch size at the workload's context plus new tokens
+    (("exports", "vllm", "serve_config", "max-num-seqs"), 8,
+     "exports.vllm.serve_config.max-num-seqs: 8 contradicts the headline's batch_size and "
+     "ctx + max_new_tokens, which gives 64"),
+    (("exports", "vllm", "serve_config", "max-model-len"), 8192,
+     f"exports.vllm.serve_config.max-model-len: 8192 contradicts the headline's batch_size "
+     f"and ctx + max_new_tokens, which gives "
+     f"{MAX_MODEL_LEN}"),
     (("exports", "vllm", "speculative_config_json"), '{"method": "sparse_attn"}',
      "exports.vllm.speculative_config_json: key 'num_speculative_tokens': missing"),
     (("exports", "vllm", "speculative_config_json"), "{not json",
@@ -160,11 +178,63 @@ def test_validate_refuses_with_one_line_naming_the_field(tmp_path, capsys, loc, 
     data = sample_profile_dict()
     container, key = at(data, loc)
     container[key] = value
+    if loc[0] == "results":
+        sync_headline(data)  # the headline's results: the last schedule entry's too
     path = write(tmp_path, data)
     code, stdout, stderr = run(["validate", str(path)], capsys)
     assert code == 2 and stdout == ""
     assert stderr.count("\n") == 1, stderr
     assert stderr.startswith(f"error: {path}: invalid profile: {expected}"), stderr
+
+
+@pytest.mark.parametrize("change, expected", [
+    (lambda d: d["results"].update(tokens_per_second=61.5),
+     "results: differs from the last schedule entry's results; results repeat them"),
+    (lambda d: d["tuned"].update(window=0.25),
+     "tuned: differs from the last schedule entry's configuration; tuned repeats it"),
+    (lambda d: d["workload"].update(batch_size=32),
+     "workload.batch_size: 32, but the last schedule entry was measured at 64"),
+    (lambda d: d["workload"].update(batch_sizes=[1, 32, 64]),
+     "workload.batch_sizes: [1, 32, 64], but the schedule and not_tuned account for [1, 64]"),
+    (lambda d: d["workload"].update(batch_sizes=[64, 1]),
+     "workload.batch_sizes: must be ascending, without repeats"),
+    (lambda d: d.update(recommended=False),
+     "recommended: false, but the last schedule entry runs speculatively"),
+])
+def test_headline_must_repeat_the_last_schedule_entry(tmp_path, capsys, change, expected):
+    data = sample_profile_dict()
+    change(data)  # the top level only: the schedule is left as it was
+    path = write(tmp_path, data)
+    code, stdout, stderr = run(["validate", str(path)], capsys)
+    assert code == 2 and stdout == "" and stderr.count("\n") == 1, stderr
+    assert stderr.startswith(f"error: {path}: invalid profile: {expected}"), stderr
+
+
+def test_every_speculative_entry_needs_its_speedup_interval_above_1():
+    data = sample_profile_dict()
+    entry = data["schedule"][0]  # batch 1: speedup 0.81x [0.79, 0.83], so vanilla
+    entry["config"] = entry.pop("measured")
+    with pytest.raises(VegasError) as error:
+        profile_from_dict(data, source="mem")
+    assert str(error.value).startswith(
+        "mem: invalid profile: schedule[0].config: speculative, but the speedup interval "
+        "[0.79, 0.83] does not lie wholly above 1; the tuner runs vanilla there")
+    entry["results"].update(speedup=1.2, speedup_interval=[1.01, 1.4])
+    assert profile_from_dict(data).schedule[0].config.gamma == 6  # wholly above 1: valid
+
+
+def test_recommended_says_whether_the_headline_runs_speculatively():
+    data = not_recommended_dict()
+    assert profile_from_dict(copy.deepcopy(data)).headline.config == "vanilla"
+    data["recommended"] = True  # the headline entry still runs vanilla
+    with pytest.raises(VegasError) as error:
+        profile_from_dict(data, source="mem")
+    assert str(error.value) == (
+        "mem: invalid profile: recommended: true, but the last schedule entry runs vanilla; "
+        "recommended says whether the largest tuned size runs speculatively")
+    # An earlier entry running vanilla does not touch the recommendation.
+    profile = profile_from_dict(sample_profile_dict())
+    assert profile.schedule[0].config == "vanilla" and profile.recommended is True
 
 
 def test_exports_contradicting_tuned_gamma_are_refused(tmp_path, capsys):
@@ -194,17 +264,18 @@ def test_speculative_json_contradicting_tuned_is_refused():
     (("results", "tokens_per_second_interval"), [60, 63]),
     (("results", "speedup_interval"), [2.05, 2.12 * (1 - 1e-9)]),  # a rounded end
     (("results", "acceptance_by_position"), [1, 1, 1, 0, 0, 0]),
-    (("recommended",), False),  # not recommending is always allowed
+    (("recommended",), False),  # running vanilla at the headline is always allowed
 ])
 def test_sensible_values_are_accepted(tmp_path, capsys, loc, value):
     data = sample_profile_dict()
     container, key = at(data, loc)
     container[key] = value
-    if loc[0] == "tuned":
-        data = with_gamma(data, data["tuned"]["gamma"])  # rebuild the exports
+    # The schedule's last entry and the exports follow the top level.
+    data = with_gamma(data, data["tuned"]["gamma"]) if loc[0] == "tuned" else sync_headline(data)
     code, stdout, stderr = run(["validate", str(write(tmp_path, data))], capsys)
     assert code == 0, stderr
-    assert stdout.count("\n") == 1 and ": valid (schema 2;" in stdout
+    assert stdout.count("\n") == 1 and ": valid (schema 3;" in stdout
+    assert f"recommended {str(data['recommended']).lower()})" in stdout
 
 
 def test_ints_stay_floats_where_floats_are_expected():
@@ -232,7 +303,10 @@ def test_tuner_built_profiles_get_the_same_checks():
     # The tuner may hand intervals over as tuples.
     data = sample_profile_dict()
     data["results"]["speedup_interval"] = (2.05, 2.19)
-    assert profile_from_dict(data).results.speedup_interval == [2.05, 2.19]
+    data["schedule"][-1]["results"]["speedup_interval"] = (2.05, 2.19)
+    profile = profile_from_dict(data)
+    assert profile.results.speedup_interval == [2.05, 2.19]
+    assert profile.headline.results.speedup_interval == [2.05, 2.19]
 
 
 # --- YAML that must not be parsed ----------------------------------------------------
@@ -314,18 +388,21 @@ def test_oversized_text_and_file_are_refused_before_parsing(tmp_path, capsys):
     assert code == 2 and f"{path}: too large" in stderr and stderr.count("\n") == 1
 
 
-# --- export of a profile that is not recommended -------------------------------------
+# --- export of a profile whose served entry runs vanilla ------------------------------
 
-WARNING = ("is not recommended (speedup 0.38x, interval [0.35, 0.41]): exporting vanilla "
-           "decoding; pass --force to export the tuned settings")
+WARNING = ("runs vanilla at batch 64 (measured at 64: speedup 0.38x, interval [0.35, 0.41]): "
+           "exporting vanilla decoding; pass --force to export the measured speculative "
+           "settings")
+# The vanilla serve config at the sample's headline size: no speculative key.
+VANILLA_SERVE = {"model": MODEL_ID, "max-num-seqs": 64, "max-model-len": MAX_MODEL_LEN}
 
 
 def test_not_recommended_vllm_export_is_vanilla_with_one_warning(tmp_path, capsys):
     path = write(tmp_path, not_recommended_dict())
     code, stdout, stderr = run(["export", str(path), "--target", "vllm"], capsys)
     assert code == 0
-    assert yaml.safe_load(stdout) == {"model": MODEL_ID}
-    assert "speculative" not in yaml.safe_load(stdout)
+    assert yaml.safe_load(stdout) == VANILLA_SERVE
+    assert "speculative-config" not in yaml.safe_load(stdout)
     assert stderr == f"warning: {path} {WARNING}\n"
 
 
@@ -346,7 +423,8 @@ def test_force_exports_the_tuned_settings_with_a_note(tmp_path, capsys, target, 
     code, stdout, stderr = run(["export", str(path), "--target", target, "--force"], capsys)
     assert code == 0 and key in yaml.safe_load(stdout)
     assert stderr.count("\n") == 1
-    assert stderr.startswith(f"note: {path} is not recommended (speedup 0.38x")
+    assert stderr.startswith(f"note: {path} runs vanilla at batch 64 (measured at 64: "
+                             "speedup 0.38x")
     assert "--force" in stderr
 
 
@@ -355,7 +433,7 @@ def test_export_to_a_file_is_vanilla_too(tmp_path, capsys):
     out = tmp_path / "serve.yaml"
     code, stdout, stderr = run(["export", str(path), "--out", str(out)], capsys)
     assert code == 0 and stdout == ""
-    assert yaml.safe_load(out.read_text()) == {"model": MODEL_ID}
+    assert yaml.safe_load(out.read_text()) == VANILLA_SERVE
     assert "warning:" in stderr
 
 
@@ -368,13 +446,48 @@ def test_recommended_export_prints_no_warning(tmp_path, capsys):
 
 def test_render_export_force_parameter():
     profile = profile_from_dict(not_recommended_dict())
-    assert yaml.safe_load(render_export(profile, "vllm", "yaml")) == {"model": MODEL_ID}
+    assert yaml.safe_load(render_export(profile, "vllm", "yaml")) == VANILLA_SERVE
     forced = yaml.safe_load(render_export(profile, "vllm", "yaml", force=True))
     assert forced["speculative-config"] == vllm_speculative_config(profile.tuned)
+    assert forced["max-num-seqs"] == 64
     assert json.loads(render_export(profile, "vegas", "json", force=True))["gamma"] == 6
 
 
-# --- show, diff and validate on schema 2 ---------------------------------------------
+def test_vanilla_entry_below_a_speculative_headline_is_exported_as_vanilla():
+    # The sample runs vanilla for 1 to 63 (measured at 1) and speculatively at 64.
+    profile = profile_from_dict(sample_profile_dict())
+    assert recommendation_note(profile, "p.yaml", False) is None
+    assert recommendation_note(profile, "p.yaml", False, serve_batch=64) is None
+    assert recommendation_note(profile, "p.yaml", False, serve_batch=10) == (
+        "warning: p.yaml runs vanilla at batch 10 (measured at 1: speedup 0.81x, interval "
+        "[0.79, 0.83]): exporting vanilla decoding; pass --force to export the measured "
+        "speculative settings")
+    served = yaml.safe_load(render_export(profile, "vllm", "yaml", serve_batch=10))
+    assert served == {**VANILLA_SERVE, "max-num-seqs": 10}
+    forced = yaml.safe_load(render_export(profile, "vllm", "yaml", force=True, serve_batch=10))
+    assert forced["speculative-config"] == vllm_speculative_config(profile.schedule[0].measured)
+
+
+def test_cut_short_vanilla_headline_without_figures_exports_vanilla():
+    """A run cut short may leave a one-round entry with only its own throughput."""
+    data = sample_profile_dict()
+    data["recommended"] = False
+    results = data["results"]
+    data["results"] = {key: results[key] for key in (
+        "tokens_per_second", "mean_accepted_length", "acceptance_by_position",
+        "selection_overhead", "confidence")}
+    data["results"]["rounds"] = 1
+    data["cut_short"] = ["bench: stopped by --time-budget after one round"]
+    profile = profile_from_dict(sync_headline(data))
+    assert profile.results.speedup is None and profile.results.speedup_interval is None
+    assert yaml.safe_load(render_export(profile, "vllm", "yaml")) == VANILLA_SERVE
+    assert recommendation_note(profile, "p.yaml", False) == (
+        "warning: p.yaml runs vanilla at batch 64 (measured at 64: not measured against "
+        "vanilla): exporting vanilla decoding; pass --force to export the measured "
+        "speculative settings")
+
+
+# --- show, diff and validate on schema 3 ---------------------------------------------
 
 def test_show_prints_results_with_their_intervals(tmp_path, capsys):
     path = write(tmp_path, sample_profile_dict())
@@ -390,19 +503,23 @@ def test_validate_success_is_one_line_with_the_speedup_interval(tmp_path, capsys
     path = write(tmp_path, sample_profile_dict())
     code, stdout, _ = run(["validate", str(path)], capsys)
     assert code == 0
-    assert stdout == (f"{path}: valid (schema 2; gamma 6, sparsity 0.05; speedup 2.12x "
-                      "[2.05, 2.19]; recommended true)\n")
+    assert stdout.count("\n") == 1 and stdout.endswith("; recommended true)\n"), stdout
+    assert stdout.startswith(f"{path}: valid (schema 3; "), stdout
+    # The schedule's ranges, then the headline (batch 64) with its speedup interval.
+    assert "1-63: vanilla, 64-64: gamma 6" in stdout, stdout
+    assert "gamma 6, sparsity 0.05" in stdout and "speedup 2.12x [2.05, 2.19]" in stdout, stdout
 
 
-def test_diff_compares_schema_2_profiles(tmp_path, capsys):
+def test_diff_compares_schema_3_profiles(tmp_path, capsys):
     old = write(tmp_path, sample_profile_dict(), "old.yaml")
     newer = sample_profile_dict()
     newer["results"].update(speedup=1.5, speedup_interval=[1.4, 1.6])
-    new = write(tmp_path, newer, "new.yaml")
+    new = write(tmp_path, sync_headline(newer), "new.yaml")
     code, stdout, _ = run(["diff", str(old), str(new), "--tolerance", "0.1"], capsys)
     assert code == 1
     assert "results.speedup_interval: [2.05, 2.19] -> [1.4, 1.6]" in stdout
-    assert "REGRESSION: results.speedup (speedup over vanilla) fell" in stdout
+    assert "schedule[1].results.speedup_interval: [2.05, 2.19] -> [1.4, 1.6]" in stdout
+    assert "REGRESSION: batch 64: results.speedup (speedup over vanilla) fell" in stdout
     code, stdout, _ = run(["diff", str(old), str(old)], capsys)
     assert code == 0 and stdout == "no changes\n"
 

@@ -433,10 +433,14 @@ def validate(profile: Path = typer.Argument(..., help="Profile YAML."),
     from vegas_tune.profile import load_profile
 
     p = load_profile(profile)
-    low, high = p.results.speedup_interval
-    typer.echo(f"{profile}: valid (schema {p.schema_version}; gamma {p.tuned.gamma}, sparsity "
-               f"{p.tuned.sparsity_ratio}; speedup {p.results.speedup:.2f}x [{low:.2f}, "
-               f"{high:.2f}]; recommended {str(p.recommended).lower()})")
+    sizes = ", ".join(f"{e.batch_min}-{e.batch_max}: "
+                      + ("vanilla" if e.config == "vanilla" else f"gamma {e.config.gamma}")
+                      for e in p.schedule)
+    typer.echo(f"{profile}: valid (schema {p.schema_version}; schedule {sizes}; at batch "
+               f"{p.headline.batch_size} gamma {p.tuned.gamma}, sparsity "
+               f"{p.tuned.sparsity_ratio}, speedup "
+               f"{_result_words(p.results.model_dump(), 'speedup', 'x', 2)}; recommended "
+               f"{str(p.recommended).lower()})")
 
 
 @app.command()
@@ -457,9 +461,11 @@ def show(profile: Path = typer.Argument(..., help="Profile YAML."),
         return _result_words(results, name, unit, digits)
 
     hw = p.hardware.gpu_name or f"CPU ({p.hardware.cpu})"
+    sizes = ", ".join(map(str, p.workload.batch_sizes))
     typer.echo(f"{profile}\n  model {p.model.id} ({p.model.dtype}) on {hw}; ctx {p.workload.ctx}, "
-               f"batch {p.workload.batch_size}, dataset {p.workload.dataset}")
-    typer.echo(f"  tuned: {p.tuned.drafter} gamma {p.tuned.gamma}, sparsity {p.tuned.sparsity_ratio}, "
+               f"batch {sizes}, dataset {p.workload.dataset}")
+    at = f" (batch {p.headline.batch_size})" if len(p.schedule) > 1 else ""
+    typer.echo(f"  tuned{at}: {p.tuned.drafter} gamma {p.tuned.gamma}, sparsity {p.tuned.sparsity_ratio}, "
                f"min_tokens {p.tuned.min_tokens}, collect {p.tuned.collect}, score {p.tuned.score}, "
                f"granularity {p.tuned.granularity}, window {p.tuned.window}")
     typer.echo(f"  {figure('tokens_per_second', ' tok/s', 1)}; vanilla "
@@ -470,6 +476,18 @@ def show(profile: Path = typer.Argument(..., help="Profile YAML."),
                f"length {r.mean_accepted_length:.2f}")
     typer.echo(f"  means of {r.rounds} interleaved rounds, {r.confidence:.0%} confidence "
                "intervals in brackets")
+    if len(p.schedule) > 1 or p.not_tuned or p.cut_short:
+        typer.echo("  schedule:")
+        for e in p.schedule:
+            what = ("vanilla" if e.config == "vanilla" else
+                    f"{e.config.drafter} gamma {e.config.gamma}, sparsity {e.config.sparsity_ratio}")
+            typer.echo(f"    batch {e.batch_min}-{e.batch_max}: {what} (measured at "
+                       f"{e.batch_size}: {_result_words(e.results.model_dump(), 'speedup', 'x', 2)}"
+                       " over vanilla)")
+        for item in p.not_tuned:
+            typer.echo(f"    not tuned: batch {item.batch_size}: {item.reason}")
+        for line in p.cut_short:
+            typer.echo(f"    cut short: {line}")
     typer.echo(f"  recommended: {str(p.recommended).lower()}; made {p.provenance.started} by "
                f"`{p.provenance.command}`")
 
@@ -493,17 +511,21 @@ def export(profile: Path = typer.Argument(...),
            target: str = typer.Option("vllm", help="vllm (the authors' fork) or vegas (this engine)."),
            fmt: str = typer.Option("yaml", "--format", help="yaml or json."),
            out: Optional[Path] = typer.Option(None, help="Write here instead of stdout."),
-           force: bool = typer.Option(False, "--force", help="Export the tuned settings even "
-                                      "if the profile is not recommended."),
+           force: bool = typer.Option(False, "--force", help="Export the measured speculative "
+                                      "settings even where the schedule runs vanilla."),
+           serve_batch: Optional[int] = typer.Option(
+               None, help="Concurrent sequences the server runs (max-num-seqs): the schedule "
+                          "entry for it is exported. Default: the largest tuned size."),
            debug: bool = typer.Option(False, help="Show tracebacks.")) -> None:
-    """Print a profile's serving config: `vllm serve --config` YAML, or JSON. A profile
-    that is not recommended exports vanilla decoding (with a warning) unless --force."""
+    """Print a profile's serving config: `vllm serve --config` YAML, or JSON, for one
+    served concurrency. Where the schedule runs vanilla at that concurrency, vanilla
+    decoding is exported (with a warning) unless --force."""
     from vegas_tune.export import recommendation_note, render_export
     from vegas_tune.profile import load_profile
 
     p = load_profile(profile)
-    text = render_export(p, target, fmt, force=force)
-    note = recommendation_note(p, str(profile), force)
+    text = render_export(p, target, fmt, force=force, serve_batch=serve_batch)
+    note = recommendation_note(p, str(profile), force, serve_batch=serve_batch)
     if note:
         # Plain echo, not rich: rich would treat "[0.35, 0.41]" as possible markup.
         typer.echo(note, err=True)

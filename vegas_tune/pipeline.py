@@ -22,12 +22,8 @@ from vegas_tune.hardware import fingerprint, gpu_slug
 from vegas_tune.measure import Measurer, Workload
 from vegas_tune.profile import (SCHEMA_VERSION, VANILLA, Tuned, load_profile,
                                 profile_from_dict, profile_to_dict, write_profile)
-from vegas_tune.report import (plot_acceptance_vs_sparsity,
+from vegas_tune.report import (plot_acceptance_vs_sparsity, plot_throughput_vs_batch,
                                plot_throughput_vs_gamma, write_report, write_trials_table)
-try:  # TEMP
-    from vegas_tune.report import plot_throughput_vs_batch
-except ImportError:  # TEMP
-    def plot_throughput_vs_batch(p, path): pass  # TEMP
 from vegas_tune.progress import ProgressCallback
 from vegas_tune.stats import CONFIDENCE
 from vegas_tune.preflight import check_values

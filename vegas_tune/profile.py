@@ -328,7 +328,11 @@ class GammaPrediction(_Strict):
     gamma: int = Field(ge=1, le=MAX_GAMMA)
     sparsity_ratio: float | None = Field(default=None, gt=0.0, le=1.0)
     predicted_tokens_per_second: float
+    # Tokens per iteration the prediction assumed (step 1's acceptance), and what the
+    # measurement accepted: with the throughputs they split a miss into acceptance and time.
+    predicted_mean_accepted_length: float | None = Field(default=None, ge=1.0)
     measured_tokens_per_second: Positive | None
+    measured_mean_accepted_length: float | None = Field(default=None, ge=1.0)
     measured_speedup: Positive | None = None
     measured_speedup_interval: Interval | None = None
 
@@ -496,24 +500,25 @@ def _check_schedule(schedule: list[ScheduleEntry]) -> None:
         expected = entry.batch_max + 1
 
 
-def _mismatch(found: dict[str, Any], expected: dict[str, Any]) -> tuple[tuple, str] | None:
+def _mismatch(found: dict[str, Any], expected: dict[str, Any],
+              source: str = "tuned") -> tuple[tuple, str] | None:
     """The path of the first key where ``found`` differs from ``expected``, and how; None
     if equal. Nested mappings are compared key by key."""
     for key, want in expected.items():
         if key not in found:
-            return (key,), f"missing; tuned gives {want!r}"
+            return (key,), f"missing; {source} gives {want!r}"
         have = found[key]
         if isinstance(have, dict) and isinstance(want, dict):
-            inner = _mismatch(have, want)
+            inner = _mismatch(have, want, source)
             if inner:
                 return (key, *inner[0]), inner[1]
             continue
         # 1 == True in Python; a bool where a number belongs is still a mismatch.
         if have != want or isinstance(have, bool) != isinstance(want, bool):
-            return (key,), f"{have!r} contradicts tuned, which gives {want!r}"
+            return (key,), f"{have!r} contradicts {source}, which gives {want!r}"
     for key in found:
         if key not in expected:
-            return (key,), "not derived from tuned; remove it"
+            return (key,), f"not derived from {source}; remove it"
     return None
 
 
@@ -525,7 +530,8 @@ def _check_exports(exports: Exports, tuned: Tuned, workload: Workload, batch: in
     ``batch`` sequences of ``workload``'s context plus new tokens."""
     # export.py imports this module at its top; importing it here, at validation time,
     # avoids the cycle and keeps one definition of each export.
-    from vegas_tune.export import engine_settings, vllm_serve_config, vllm_speculative_config
+    from vegas_tune.export import (VLLM_SPECULATIVE_KEY, engine_settings, vllm_serve_config,
+                                   vllm_speculative_config)
 
     problem = _mismatch(exports.vegas, engine_settings(tuned))
     if problem:
@@ -534,11 +540,29 @@ def _check_exports(exports: Exports, tuned: Tuned, workload: Workload, batch: in
     if not isinstance(model_id, str):
         raise _FieldProblem(("exports", "vllm", "serve_config", "model"),
                             "missing: the model vLLM serves")
+    serve_loc = ("exports", "vllm", "serve_config")
     expected = vllm_serve_config(model_id, tuned, batch, workload.ctx + workload.max_new_tokens)
-    problem = _mismatch(exports.vllm.serve_config, expected)
+    # The served size and length come from the workload, the speculative config from tuned.
+    wanted_speculative = expected.pop(VLLM_SPECULATIVE_KEY, None)
+    found = dict(exports.vllm.serve_config)
+    found_speculative = found.pop(VLLM_SPECULATIVE_KEY, None)
+    problem = _mismatch(found, expected, "the headline's batch_size and ctx + max_new_tokens")
     if problem:
-        raise _FieldProblem(("exports", "vllm", "serve_config", *problem[0]),
-                            problem[1] + _REGENERATE)
+        raise _FieldProblem((*serve_loc, *problem[0]), problem[1] + _REGENERATE)
+    if wanted_speculative is None and found_speculative is not None:
+        raise _FieldProblem((*serve_loc, VLLM_SPECULATIVE_KEY),
+                            f"not derived from tuned (sparsity_ratio {tuned.sparsity_ratio:g} "
+                            f"has no speculative config: the fork needs a ratio below 1); "
+                            f"remove it{_REGENERATE}")
+    if wanted_speculative is not None:
+        if not isinstance(found_speculative, dict):
+            raise _FieldProblem((*serve_loc, VLLM_SPECULATIVE_KEY),
+                                f"{found_speculative!r} contradicts tuned, which gives "
+                                f"{wanted_speculative!r}{_REGENERATE}")
+        problem = _mismatch(found_speculative, wanted_speculative)
+        if problem:
+            raise _FieldProblem((*serve_loc, VLLM_SPECULATIVE_KEY, *problem[0]),
+                                problem[1] + _REGENERATE)
     json_loc = ("exports", "vllm", "speculative_config_json")
     try:
         in_json = json.loads(exports.vllm.speculative_config_json)
@@ -617,7 +641,6 @@ def _upgrade_from_2(data: dict, source: str) -> dict:
         workload, results = upgraded["workload"], upgraded["results"]
         batch = workload["batch_size"]
         workload["batch_sizes"] = [batch]
-        tuned = Tuned.model_validate(upgraded["tuned"])
         speculative = bool(upgraded["recommended"])
         upgraded["schedule"] = [{
             "batch_min": 1, "batch_max": batch, "batch_size": batch,
@@ -626,8 +649,13 @@ def _upgrade_from_2(data: dict, source: str) -> dict:
             "results": dict(results),
             "reason": "tuned at one batch size (a schema 2 profile)"}]
         model_id = upgraded["exports"]["vllm"]["serve_config"]["model"]
-        upgraded["exports"] = build_exports(
-            model_id, tuned, batch, workload["ctx"] + workload["max_new_tokens"]).model_dump()
+        try:
+            upgraded["exports"] = build_exports(
+                model_id, Tuned.model_validate(upgraded["tuned"]), batch,
+                workload["ctx"] + workload["max_new_tokens"]).model_dump()
+        except (ValidationError, TypeError):
+            # An invalid tuned or workload value: validating the upgraded data names it.
+            pass
     except (KeyError, TypeError, ValueError) as error:
         raise VegasError(f"{source}: invalid profile: a schema 2 profile that cannot be read as "
                          f"schema {SCHEMA_VERSION} ({type(error).__name__}: "
@@ -773,9 +801,11 @@ def _leaves(value: Any, prefix: str) -> dict[str, Any]:
 def diff_profiles(old: Profile, new: Profile, tolerance: float) -> ProfileDiff:
     """Compare two profiles; ``tolerance`` is the allowed relative drop (0.05 = 5%).
 
-    A regression is: ``results.tokens_per_second``, ``results.speedup`` or
-    ``results.mean_accepted_length`` below old × (1 − tolerance), or a profile that was
-    recommended and no longer is.
+    Regressions are judged per batch size that both schedules measured (entries matched
+    by ``batch_size``): ``tokens_per_second``, ``speedup`` or ``mean_accepted_length``
+    below old x (1 - tolerance); an entry that ran speculatively and now runs vanilla; a
+    size the old profile tuned and the new one does not. A profile that was recommended
+    and no longer is regresses too.
     """
     if not 0.0 <= tolerance < 1.0:
         raise VegasError(f"tolerance must be in [0, 1), got {tolerance}")
@@ -790,13 +820,25 @@ def diff_profiles(old: Profile, new: Profile, tolerance: float) -> ProfileDiff:
         if before != after:
             diff.changes.append((path, before, after))
 
-    for name, label in _GUARDED_RESULTS.items():
-        before, after = getattr(old.results, name), getattr(new.results, name)
-        if after < before * (1.0 - tolerance):
-            drop = (before - after) / before if before else 0.0
-            diff.regressions.append(
-                f"results.{name} ({label}) fell {drop:.1%}: {before:g} -> {after:g}, "
-                f"beyond the {tolerance:.1%} tolerance")
+    new_entries = {e.batch_size: e for e in new.schedule}
+    for entry in old.schedule:
+        batch = entry.batch_size
+        now = new_entries.get(batch)
+        if now is None:
+            diff.regressions.append(f"batch {batch}: tuned in the old profile, not in the new one")
+            continue
+        for name, label in _GUARDED_RESULTS.items():
+            before, after = getattr(entry.results, name), getattr(now.results, name)
+            if before is None or after is None:
+                continue
+            if after < before * (1.0 - tolerance):
+                drop = (before - after) / before if before else 0.0
+                diff.regressions.append(
+                    f"batch {batch}: results.{name} ({label}) fell {drop:.1%}: {before:g} -> "
+                    f"{after:g}, beyond the {tolerance:.1%} tolerance")
+        if entry.config != VANILLA and now.config == VANILLA:
+            diff.regressions.append(f"batch {batch}: ran speculatively in the old profile, "
+                                    "now vanilla")
     if old.recommended and not new.recommended:
         diff.regressions.append("recommended: the old profile was recommended, the new one is not")
     return diff

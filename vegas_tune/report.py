@@ -1,4 +1,4 @@
-"""Tuning outputs for people: a trials table, two plots and a Markdown report.
+"""Tuning outputs for people: a trials table, three plots and a Markdown report.
 
 Everything takes plain data (trial dicts, the profile dict), so it can be written and
 tested without running the tuner. Every file is written atomically: a reader never sees
@@ -61,6 +61,10 @@ VANILLA_COLOR = "tab:green"
 BAND_ALPHA = 0.15
 ERRORBAR_CAPSIZE = 3
 MISSING = "n/a"
+STREAMING_COLOR = "tab:orange"
+# The cost model is judged against this: a prediction further off than this share of the
+# measured throughput is named in the report.
+COST_MODEL_TOLERANCE = 0.10
 
 
 # --- Trials table --------------------------------------------------------------------
@@ -165,10 +169,18 @@ def throughput_figure(predictions: list[dict], tuned: dict | None = None,
     vanilla decoding's throughput from ``results`` as a horizontal line with its
     interval as a band; ``tuned["gamma"]`` marked "tuned".
     """
-    predicted = _series(predictions, "gamma", "predicted_tokens_per_second")
     figure, axes = _figure()
-    if predicted:
-        axes.plot(*zip(*predicted), "-", marker=".", label="predicted")
+    by_sparsity: dict[object, list[dict]] = {}
+    for p in predictions:
+        by_sparsity.setdefault(p.get("sparsity_ratio"), []).append(p)
+    predicted = False
+    for sparsity, rows in sorted(by_sparsity.items(), key=lambda item: item[0] or 0):
+        line = _series(rows, "gamma", "predicted_tokens_per_second")
+        if line:
+            label = ("predicted" if sparsity is None or len(by_sparsity) == 1
+                     else f"predicted, sparsity {sparsity:g}")
+            axes.plot(*zip(*line), "-", marker=".", label=label)
+            predicted = True
     measured = _measured_by_gamma(trials or [], predictions)
     if measured:
         xs, ys, errors = zip(*measured)
@@ -209,6 +221,64 @@ def plot_throughput_vs_gamma(predictions: list[dict], path, tuned: dict | None =
     """
     _save(throughput_figure(predictions, tuned, results, trials), path)
     return Path(path)
+
+
+def batch_figure(profile: dict):
+    """The figure ``plot_throughput_vs_batch`` saves (a matplotlib ``Figure``).
+
+    One point per schedule entry, at the batch size it was measured at: vanilla decoding,
+    the streaming drafter and the best speculative configuration found there (filled
+    where the schedule runs it, hollow where it lost to vanilla), each with its
+    interval as an error bar; log-scaled batch axis."""
+    entries = profile.get("schedule") or []
+    figure, axes = _figure()
+    series = (("vanilla_tokens_per_second", "vanilla", VANILLA_COLOR),
+              ("streaming_tokens_per_second", "streaming (same budget)", STREAMING_COLOR),
+              ("tokens_per_second", "best speculative (hollow: vanilla runs)", CHOSEN_COLOR))
+    drawn = False
+    for name, label, color in series:
+        measured = [e for e in entries if _is_number((e.get("results") or {}).get(name))]
+        if not measured:
+            continue
+        xs = [e["batch_size"] for e in measured]
+        ys = [e["results"][name] for e in measured]
+        errors = [_bar(e["results"], name) for e in measured]
+        best = name == "tokens_per_second"
+        axes.errorbar(xs, ys, yerr=[list(side) for side in zip(*errors)], color=color,
+                      marker="o", capsize=ERRORBAR_CAPSIZE, label=label,
+                      markerfacecolor="none" if best else color)
+        drawn = True
+        chosen = [(x, y) for x, y, e in zip(xs, ys, measured)
+                  if best and e.get("config") != VANILLA_CONFIG]
+        if chosen:
+            axes.plot(*zip(*chosen), "o", color=color, markersize=8,
+                      label="chosen: runs speculatively")
+    if not drawn:
+        _say_empty(axes, "no measured batch size")
+    else:
+        axes.set_xscale("log", base=2)
+        axes.set_xticks([e["batch_size"] for e in entries])
+        axes.set_xticklabels([str(e["batch_size"]) for e in entries])
+    axes.set_xlabel("batch size (concurrent sequences)")
+    axes.set_ylabel("tokens/s (steady state)")
+    axes.set_title("Throughput vs batch size")
+    _decorate(axes)
+    return figure
+
+
+def plot_throughput_vs_batch(profile: dict, path) -> Path:
+    """PNG of tokens/s against batch size for vanilla, streaming and the chosen
+    configuration, from the profile's ``schedule`` (see ``batch_figure``)."""
+    _save(batch_figure(profile), path)
+    return Path(path)
+
+
+def _bar(values: dict, name: str) -> tuple[float, float]:
+    """(below, above) error-bar lengths of ``values[name]``; 0 without an interval."""
+    interval = _interval_of(values, name)
+    if interval is None:
+        return 0.0, 0.0
+    return max(values[name] - interval[0], 0.0), max(interval[1] - values[name], 0.0)
 
 
 def _measured_by_gamma(trials: list[dict],
@@ -282,11 +352,14 @@ def write_report(profile: dict, trials: list[dict], path, images: dict[str, str]
     sections = [
         _title(profile),
         _summary(profile),
+        _schedule(profile),
+        _cut_short(profile),
         _changes(profile, previous),
         _workload(profile.get("workload") or {}),
         _baselines(profile, trials),
         _steps_table(steps),
         _within_noise(steps, profile.get("results") or {}),
+        _cost_model(steps),
         _predictions_tables(steps),
         _best_trials(trials),
         _trial_cost(trials),
@@ -373,11 +446,15 @@ def _summary(profile: dict) -> str:
     headline figures, each with its interval where the profile has one."""
     results = profile.get("results") or {}
     tuned = profile.get("tuned") or {}
+    schedule = profile.get("schedule") or []
+    batch = (profile.get("workload") or {}).get("batch_size")
+    at = f" at batch {batch}, the largest size tuned" if len(schedule) > 1 else ""
+    others = " (the schedule below covers the other sizes)" if at else ""
     if profile.get("recommended"):
-        lines = [f"**Recommended**: {_pairs(tuned)}."]
+        lines = [f"**Recommended{at}**{others}: {_pairs(tuned)}."]
     else:
-        lines = ["**Not recommended: keep vanilla decoding** for this model, hardware and "
-                 f"workload. {_why_not_recommended(profile)}",
+        lines = [f"**Not recommended{at}: keep vanilla decoding** there for this model, "
+                 f"hardware and workload{others}. {_why_not_recommended(profile)}",
                  "",
                  f"Best found: {_pairs(tuned)}."]
     lines += ["",
@@ -453,6 +530,9 @@ def _baselines(profile: dict, trials: list[dict]) -> str:
     intro = (f"Mean [low, high] ({_level(results)}interval) over interleaved rounds: each "
              "round measures the three configurations one after another, so drift between "
              "rounds affects all of them alike.")
+    batch = (profile.get("workload") or {}).get("batch_size")
+    if len(profile.get("schedule") or []) > 1:
+        intro = f"At batch {batch}, the largest size tuned. " + intro
     return ("## Baselines\n\n" + intro + "\n\n"
             + _table(["configuration", "tokens/s", "speedup vs vanilla",
                       "mean accepted length", "rounds"], table))
@@ -467,10 +547,12 @@ def _baseline_rows(profile: dict, trials: list[dict]) -> dict[str, dict]:
     the latest.
     """
     results = profile.get("results") or {}
+    batch = (profile.get("workload") or {}).get("batch_size")
     by_trial: dict[object, dict[str, dict]] = {}
     for row in trials:
         if (row.get("step") == BASELINES_STEP and row.get("config")
-                and row.get("state", COMPLETE) == COMPLETE):
+                and row.get("state", COMPLETE) == COMPLETE
+                and row.get("batch_size") in (None, batch)):
             by_trial.setdefault(row.get("number"), {})[str(row["config"])] = row
     found: dict[str, dict] = {}
     if by_trial:
@@ -508,10 +590,15 @@ def _renamed(values: dict, name: str, new_name: str) -> dict:
 def _steps_table(steps: list[dict]) -> str:
     if not steps:
         return ""
-    rows = [[_cell(step.get("name", MISSING)), _cell(step.get("trials")),
+    rows = [[_cell(step.get("name", MISSING)), _batch_cell(step), _cell(step.get("trials")),
              _measured_pairs(step.get("chosen") or {}), _cell(step.get("notes") or "")]
             for step in steps]
-    return "## Steps\n\n" + _table(["step", "trials", "chosen", "notes"], rows)
+    return "## Steps\n\n" + _table(["step", "batch", "trials", "chosen", "notes"], rows)
+
+
+def _batch_cell(step: dict) -> str:
+    batch = step.get("batch_size")
+    return "all" if batch is None else _cell(batch)
 
 
 def _within_noise(steps: list[dict], results: dict) -> str:
@@ -521,7 +608,7 @@ def _within_noise(steps: list[dict], results: dict) -> str:
         alternatives = step.get("within_noise") or []
         if not alternatives:
             continue
-        name = _cell(step.get("name", MISSING))
+        name = _step_label(step)
         for values, mark in [(step.get("chosen") or {}, " (chosen)"),
                              *((alternative, "") for alternative in alternatives)]:
             rows.append([name, _settings(values) + mark,
@@ -543,14 +630,146 @@ def _predictions_tables(steps: list[dict]) -> str:
         predictions = step.get("predictions") or []
         if not predictions:
             continue
-        rows = [[_cell(p.get("gamma")), _num(p.get("predicted_tokens_per_second"), ".1f"),
+        rows = [[_cell(p.get("gamma")), _cell(p.get("sparsity_ratio")),
+                 _num(p.get("predicted_tokens_per_second"), ".1f"),
                  _num(p.get("measured_tokens_per_second"), ".1f"),
+                 _signed_percent(_prediction_error(p)),
                  _mean_interval(p, "measured_speedup", ".2f", "x")]
-                for p in sorted(predictions, key=lambda p: p.get("gamma") or 0)]
-        tables.append(f"## Throughput by gamma ({step.get('name', MISSING)} step)\n\n"
-                      + _table(["gamma", "predicted tokens/s", "measured tokens/s",
-                                "measured speedup"], rows))
+                for p in sorted(predictions, key=lambda p: (p.get("gamma") or 0,
+                                                             p.get("sparsity_ratio") or 0))]
+        tables.append(f"## Throughput by gamma ({_step_label(step)} step)\n\n"
+                      + _table(["gamma", "sparsity", "predicted tokens/s", "measured tokens/s",
+                                "prediction error", "measured speedup"], rows))
     return "\n\n".join(tables)
+
+
+def _step_label(step: dict) -> str:
+    """``gamma @ batch 64``, or the bare name for a step shared by every size."""
+    name = _cell(step.get("name", MISSING))
+    batch = step.get("batch_size")
+    return name if batch is None else f"{name} @ batch {batch}"
+
+
+def _prediction_error(prediction: dict) -> float | None:
+    """(predicted - measured) / measured, where the point was measured."""
+    predicted = prediction.get("predicted_tokens_per_second")
+    measured = prediction.get("measured_tokens_per_second")
+    if not (_is_number(predicted) and _is_number(measured)) or measured <= 0:
+        return None
+    return predicted / measured - 1.0
+
+
+def _signed_percent(fraction) -> str:
+    return f"{100 * fraction:+.1f}%" if _is_number(fraction) else MISSING
+
+
+def _cost_model(steps: list[dict]) -> str:
+    """How far the cost model's predictions land from the measurements, over every
+    measured point of every gamma step, and where they miss by more than the tolerance."""
+    points = [(step, p, _prediction_error(p)) for step in steps
+              for p in step.get("predictions") or []]
+    points = [(step, p, error) for step, p, error in points if error is not None]
+    if not points:
+        return ""
+    worst = max(abs(error) for _, _, error in points)
+    misses = [(step, p, error) for step, p, error in points
+              if abs(error) > COST_MODEL_TOLERANCE]
+    lines = ["## Cost model", "",
+             f"The gamma step predicts tokens/s for every gamma and step-1 sparsity from "
+             f"step 1's acceptance and, at each batch size, one vanilla run and two probe "
+             f"runs (gamma 1 and the probe gamma); then it measures the best predicted. Over {len(points)} measured points the prediction error ranges "
+             f"from {_signed_percent(min(e for *_, e in points))} to "
+             f"{_signed_percent(max(e for *_, e in points))} (largest "
+             f"{100 * worst:.1f}%; tolerance {COST_MODEL_TOLERANCE:.0%})."]
+    if misses:
+        lines += ["", "Outside the tolerance:", ""]
+        for step, p, error in misses:
+            lines.append(
+                f"- {_step_label(step)}, gamma {p.get('gamma')}, sparsity "
+                f"{_cell(p.get('sparsity_ratio'))}: predicted "
+                f"{_num(p.get('predicted_tokens_per_second'), '.1f')}, measured "
+                f"{_num(p.get('measured_tokens_per_second'), '.1f')} tokens/s "
+                f"({_signed_percent(error)}). {_miss_reason(p, error)}")
+    else:
+        lines += ["", "Every measured point lies within the tolerance."]
+    return "\n".join(lines)
+
+
+def _miss_reason(prediction: dict, error: float) -> str:
+    """Where a miss comes from: tokens/s = batch x accepted length / iteration time, so
+    the prediction's ratio to the measurement splits into the accepted lengths' ratio
+    (step 1's acceptance against what this run accepted) and the iteration times'."""
+    assumed = prediction.get("predicted_mean_accepted_length")
+    accepted = prediction.get("measured_mean_accepted_length")
+    if not (_is_number(assumed) and _is_number(accepted)) or accepted <= 0:
+        return "No accepted lengths were recorded to tell acceptance from timing."
+    acceptance = assumed / accepted - 1.0
+    # (1 + error) = (assumed / accepted) x (measured time / predicted time)
+    timing = (1.0 + error) / (1.0 + acceptance) - 1.0
+    parts = [f"accepted length assumed {assumed:.2f}, measured {accepted:.2f} "
+             f"({_signed_percent(acceptance)})",
+             f"iteration time predicted {_signed_percent(-timing / (1.0 + timing))} off "
+             "the measured one"]
+    cause = ("acceptance: this run accepted differently from step 1's runs, which the "
+             "model takes as independent of gamma and batch size"
+             if abs(acceptance) >= abs(timing) else
+             "timing: the probes' line in gamma did not hold here")
+    return f"{'; '.join(parts)}; mostly {cause}."
+
+
+def _schedule(profile: dict) -> str:
+    """The schedule by batch size: what each range runs, its figures measured at one
+    size, and a sentence saying why it was chosen."""
+    entries = profile.get("schedule") or []
+    if not entries:
+        return ""
+    rows, reasons = [], []
+    for e in entries:
+        r = e.get("results") or {}
+        span = f"{e.get('batch_min')}-{e.get('batch_max')}"
+        config = e.get("config")
+        runs = ("vanilla" if config == VANILLA_CONFIG
+                else f"{config.get('drafter')} gamma {config.get('gamma')}, sparsity "
+                     f"{_cell(config.get('sparsity_ratio'))}, {config.get('score')}"
+                     + (f", window {_cell(config.get('window'))}" if config.get("window")
+                        else ""))
+        rows.append([span, _cell(e.get("batch_size")), _cell(runs),
+                     _mean_interval(r, "vanilla_tokens_per_second", ".1f"),
+                     _mean_interval(r, "streaming_tokens_per_second", ".1f"),
+                     _mean_interval(r, "tokens_per_second", ".1f"),
+                     _mean_interval(r, "speedup", ".2f", "x"),
+                     _mean_interval(r, "speedup_over_streaming", ".2f", "x"),
+                     _num(r.get("mean_accepted_length"), ".2f")])
+        reasons.append(f"- **{span}**: {e.get('reason') or MISSING}.")
+    intro = ("Each range runs what was best where it was measured (the largest tuned size "
+             "at or below it; sizes above the last range use the last entry). Figures are "
+             "of the best speculative configuration found at that size, beside vanilla and "
+             "streaming at the same budget; a range runs it only when its speedup's "
+             f"{_level(entries[-1].get('results') or {})}interval lies wholly above 1.")
+    table = _table(["batch", "measured at", "runs", "vanilla tokens/s", "streaming tokens/s",
+                    "best speculative tokens/s", "vs vanilla", "vs streaming",
+                    "accepted"], rows)
+    return "## Schedule by batch size\n\n" + intro + "\n\n" + table + "\n\n" + "\n".join(
+        reasons)
+
+
+def _cut_short(profile: dict) -> str:
+    """The steps a time budget or Ctrl-C stopped, and the sizes not tuned, with why."""
+    cut = profile.get("cut_short") or []
+    not_tuned = profile.get("not_tuned") or []
+    if not cut and not not_tuned:
+        return ""
+    lines = ["## Cut short and not tuned", ""]
+    if cut:
+        lines.append("The run stopped before it finished; this profile holds what its "
+                     "finished trials support:")
+        lines += [f"- {line}" for line in cut]
+    if not_tuned:
+        if cut:
+            lines.append("")
+        lines.append("Batch sizes without a schedule entry:")
+        lines += [f"- batch {item.get('batch_size')}: {item.get('reason')}" for item in not_tuned]
+    return "\n".join(lines)
 
 
 def _best_trials(trials: list[dict]) -> str:
@@ -558,7 +777,12 @@ def _best_trials(trials: list[dict]) -> str:
     for trial in trials:
         # The baselines step is not a search: its rows are the Baselines table.
         if trial.get("step") != BASELINES_STEP:
-            by_step.setdefault(str(trial.get("step", MISSING)), []).append(trial)
+            batch = trial.get("batch_size")
+            # Step 1 is measured once for every size.
+            label = str(trial.get("step", MISSING)) + (
+                "" if not _is_number(batch) or trial.get("step") == SPARSITY_STEP
+                else f" @ batch {batch}")
+            by_step.setdefault(label, []).append(trial)
     tables = []
     for step, step_trials in by_step.items():
         metric = next((m for m in TRIAL_RANKING

@@ -5,8 +5,8 @@
    size: greedy acceptance on fixed prompts does not vary between runs, nor with the
    batch size. Chosen: the smallest ratio within ``tolerance`` of the plateau.
 Then, for each batch size B, smallest first:
-2. ``costs``: one vanilla run and one probe run (probe gamma, step 1's sparsity) time the
-   steps at B.
+2. ``costs``: one vanilla run and two probe runs (the probe gamma and gamma 1, at step 1's
+   sparsity) time the steps at B.
 3. ``gamma``: the cost model (``vegas_tune.costmodel``) predicts tokens/s at B for every
    gamma up to ``gamma_max`` and every step-1 sparsity, from step 1's acceptance and the
    step costs; the ``gamma_candidates`` best predicted are measured.
@@ -43,7 +43,8 @@ import torch
 
 from vegas_core import SpecConfig
 from vegas_core.errors import VegasError
-from vegas_tune.costmodel import StepCosts, budget_share, predict_tokens_per_second
+from vegas_tune.costmodel import (ProbeRun, StepCosts, budget_share, expected_tokens,
+                                  predict_tokens_per_second)
 from vegas_tune.measure import Measurement, Measurer, interleave, ratio_estimate, series_attrs
 from vegas_tune.progress import ProgressCallback, ProgressEvent
 from vegas_tune.stats import Estimate, choose_within_noise, estimate
@@ -68,8 +69,10 @@ MIN_INTERVAL_ROUNDS = 2
 MIN_TOKENS_PER_MEASUREMENT = 64
 # A steady window shorter than this is warned about: timer and launch jitter dominate.
 MIN_TIMED_SECONDS = 0.1
-# The two measurements of the costs step.
-COSTS_CONFIGS = ("vanilla", "probe")
+# The measurements of the costs step: vanilla, the probe (probe gamma) and a short probe
+# (gamma 1, same sparsity): two probes fit the cost model's line in gamma.
+COSTS_CONFIGS = ("vanilla", "probe", "short")
+SHORT_PROBE_GAMMA = 1
 
 
 class BudgetSpent(VegasError):
@@ -457,35 +460,34 @@ class Tuner:
                 for t in self._complete(study)}
 
     def step_costs(self, batch: int, sparsity: float) -> StepCosts:
-        """Time vanilla and the probe at ``batch`` (one run each)."""
+        """Time vanilla and the two probes at ``batch`` (one run each; one probe when the
+        probe gamma is already the short probe's)."""
         import optuna
 
         study = self._study("costs", optuna.samplers.RandomSampler(), batch)
-        probe = self._spec(sparsity=sparsity)
+        specs = {"vanilla": None, "probe": self._spec(sparsity=sparsity)}
+        if self.options.probe_gamma != SHORT_PROBE_GAMMA:
+            specs["short"] = self._spec(gamma=SHORT_PROBE_GAMMA, sparsity=sparsity)
 
         def objective(trial) -> float:
             name = trial.suggest_categorical("config", list(COSTS_CONFIGS))
             trial.set_user_attr("batch_size", batch)
-            attrs = self._measure_once(trial, probe if name == "probe" else None, batch)
+            attrs = self._measure_once(trial, specs[name], batch)
             if name == "vanilla" and attrs["steady_seconds"] < MIN_TIMED_SECONDS:
                 log.warning("each measurement at batch %d times only %.0f ms of decoding: "
                             "timings that short are noisy; raise --max-new-tokens or "
                             "--num-prompts", batch, 1e3 * attrs["steady_seconds"])
             return attrs["tokens_per_second"]
 
-        done = self._run(study, objective, len(COSTS_CONFIGS), "costs", batch,
-                         grid=[{"config": c} for c in COSTS_CONFIGS])
+        done = self._run(study, objective, len(specs), "costs", batch,
+                         grid=[{"config": c} for c in specs])
         by_name = {t.params["config"]: t.user_attrs for t in done}
-        if set(by_name) != set(COSTS_CONFIGS):
-            raise StepFailed(f"step '{self._label('costs', batch)}' could not time both "
-                             "vanilla and the probe")
-        v, p = by_name["vanilla"], by_name["probe"]
-        steps = p["steady_iterations"] or p["iterations"]
-        seconds = p["steady_seconds"] if p["steady_iterations"] else p["decode_seconds"]
-        return StepCosts(p["draft_step_seconds"], p["verify_step_seconds"],
-                         p["selection_step_seconds"], v["decode_step_seconds"],
-                         iteration_seconds=seconds / max(steps, 1),
-                         probe_gamma=self.options.probe_gamma,
+        if set(by_name) != set(specs):
+            raise StepFailed(f"step '{self._label('costs', batch)}' could not time vanilla "
+                             "and both probes")
+        probes = tuple(_probe_run(by_name[name], specs[name].gamma)
+                       for name in ("probe", "short") if name in specs)
+        return StepCosts(by_name["vanilla"]["decode_step_seconds"], probes,
                          probe_share=self._share(sparsity, batch))
 
     def _share(self, sparsity: float, batch: int) -> float:
@@ -528,10 +530,13 @@ class Tuner:
             speedup = Estimate.from_attrs(m, "speedup")
             predictions.append({
                 "gamma": g, "sparsity_ratio": s, "predicted_tokens_per_second": round(p, 3),
+                "predicted_mean_accepted_length": round(expected_tokens(acceptance[s], g), 4),
                 "measured_tokens_per_second": _rounded(m.get("tokens_per_second")),
+                "measured_mean_accepted_length": _rounded(m.get("mean_accepted_length"), 4),
                 "measured_speedup": _rounded(speedup and speedup.mean, 4),
                 "measured_speedup_interval": _interval(speedup)})
-        notes = (f"cost model from gamma={self.options.probe_gamma} at the step-1 sparsity, "
+        probes = " and ".join(str(p.gamma) for p in sorted(costs.probes, key=lambda p: p.gamma))
+        notes = (f"cost model from probes at gamma {probes} at the step-1 sparsity, "
                  f"over gamma 1..{gamma_top} and the step-1 ratios; measured the "
                  f"{len(candidates)} best predicted"
                  + _tie_note(tied, "the smallest gamma, then the smallest sparsity"))
@@ -773,6 +778,15 @@ class Tuner:
                 else:
                     rows.append({**row, **_trial_row(attrs)})
         return rows
+
+
+def _probe_run(attrs: dict, gamma: int) -> ProbeRun:
+    """A probe measurement's timings: the steady window's iterations where there are
+    any, else every timed iteration."""
+    steady = attrs["steady_iterations"]
+    seconds = attrs["steady_seconds"] if steady else attrs["decode_seconds"]
+    return ProbeRun(gamma, seconds / max(steady or attrs["iterations"], 1),
+                    attrs["draft_step_seconds"])
 
 
 def _free_device_memory(measurer: Measurer) -> None:
