@@ -107,8 +107,12 @@ def prefill_progress(label: str):
 
 def run_method(model, prompts, method: str, args, batch: int
                ) -> tuple[dict, list[list[int]]]:
+    # --score and --window describe a vegas configuration (a tuned one, to cross-check a
+    # profile); the peers keep their own selection at the same gamma and budget.
+    options = dict(score=args.score, window=args.window) if method == "vegas" else {}
     spec = None if method == "vanilla" else SpecConfig(
-        drafter=method, gamma=args.gamma, sparsity=args.sparsity, min_tokens=args.min_tokens)
+        drafter=method, gamma=args.gamma, sparsity=args.sparsity, min_tokens=args.min_tokens,
+        **options)
     label = f"b={batch} {method}"
     ids = [p.ids for p in prompts]
 
@@ -431,7 +435,11 @@ def run(args, out: Path) -> dict:
         runs=[], matches=[], margins=[], tokens=[])
     methods = ["vanilla", *args.drafters]
     for batch in args.batch:
-        prompts = load_prompts(model.tokenizer, args.dataset, args.ctx, batch)
+        # --num-prompts: as the tuner's Measurer does, fewer prompts than the batch fill it
+        # by wrapping around.
+        distinct = load_prompts(model.tokenizer, args.dataset, args.ctx,
+                                args.num_prompts or batch)
+        prompts = [distinct[i % len(distinct)] for i in range(batch)]
         log(f"batch {batch}: {len(prompts)} prompts of {args.ctx} tokens "
             f"({', '.join(p.name for p in prompts[:4])}{', ...' if batch > 4 else ''})")
         tokens: dict[str, list[list[int]]] = {}
@@ -462,6 +470,10 @@ def main() -> None:
     p.add_argument("--gamma", type=int, default=6)
     p.add_argument("--sparsity", type=float, default=0.05)
     p.add_argument("--min-tokens", type=int, default=256)
+    p.add_argument("--score", default="logit", help="vegas score (logit or weight)")
+    p.add_argument("--window", type=float, default=0.0, help="vegas sink/window budget share")
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="distinct prompts, repeated to fill each batch (default: the batch size)")
     p.add_argument("--warmup-tokens", type=int, default=8,
                    help="new tokens of the untimed warm-up generate per (batch, method)")
     p.add_argument("--compare-tuner", action="store_true",

@@ -144,8 +144,6 @@ def run_tune(settings: TuneSettings,
     tuner = Tuner(measurers, storage, study_name, settings.options,
                   resume=settings.resume, new_study=False, fingerprint=fp, progress=progress)
     result = tuner.run()
-    for line in result.cut_short:
-        log.warning("cut short: %s", line)
 
     schedule = build_schedule(result.sizes, CONFIDENCE)
     head = schedule[-1]

@@ -73,6 +73,9 @@ MIN_TIMED_SECONDS = 0.1
 # (gamma 1, same sparsity): two probes fit the cost model's line in gamma.
 COSTS_CONFIGS = ("vanilla", "probe", "short")
 SHORT_PROBE_GAMMA = 1
+# Decimals of a refined sparsity ratio: finer steps change no budget by a token at the
+# contexts tuned here, and the profile stays readable.
+SPARSITY_DIGITS = 4
 
 
 class BudgetSpent(VegasError):
@@ -545,7 +548,10 @@ class Tuner:
                           {**chosen.params, **_chosen_figures(chosen)}, notes,
                           predictions, [_noise_row(t, keys) for t in tied], batch)
 
-    def step_refine(self, batch: int, gamma: int, sparsity: float) -> StepResult | None:
+    def step_refine(self, batch: int, gamma: int, sparsity: float,
+                    previous: SpecConfig | None = None) -> StepResult | None:
+        """TPE over sparsity, score and window at ``gamma``; ``previous``, the choice at
+        the next smaller batch size, is tried second where it lies in the range."""
         import optuna
 
         if self.options.refine_trials < 1:
@@ -555,11 +561,22 @@ class Tuner:
         study = self._study("refine", sampler, batch)
         if not study.get_trials(deepcopy=False):
             # The step-3 winner first, so refining can only keep or improve it.
-            study.enqueue_trial({"sparsity": sparsity, "score": "logit", "window": 0.0})
+            first = {"sparsity": sparsity, "score": "logit", "window": 0.0}
+            study.enqueue_trial(first)
+            # Score and window rank tokens the same way at every batch size: what won at
+            # the size below is a strong start here.
+            if previous is not None and low <= previous.sparsity <= high:
+                known = {"sparsity": previous.sparsity, "score": previous.score,
+                         "window": previous.window}
+                if known != first and self.options.refine_trials > 1:
+                    study.enqueue_trial(known)
 
         def objective(trial) -> float:
             spec = self._spec(gamma=gamma,
-                              sparsity=trial.suggest_float("sparsity", low, high, log=True),
+                              # Rounded as the profile writes it, so the profile
+                              # names exactly what was measured.
+                              sparsity=round(trial.suggest_float("sparsity", low, high,
+                                                                 log=True), SPARSITY_DIGITS),
                               score=trial.suggest_categorical("score", ["logit", "weight"]),
                               window=trial.suggest_categorical("window", list(REFINE_WINDOWS)))
             trial.set_user_attr("batch_size", batch)
@@ -622,13 +639,15 @@ class Tuner:
 
     # ---- the run ---------------------------------------------------------------------
 
-    def _tune_size(self, batch: int, sparsity: float) -> tuple[SpecConfig, list[StepResult]]:
+    def _tune_size(self, batch: int, sparsity: float, previous: SpecConfig | None
+                   ) -> tuple[SpecConfig, list[StepResult]]:
         costs = self.step_costs(batch, sparsity)
         s2 = self.step_gamma(batch, costs)
         gamma, s2_sparsity = s2.chosen["gamma"], s2.chosen["sparsity"]
-        s3 = self.step_refine(batch, gamma, s2_sparsity)
+        s3 = self.step_refine(batch, gamma, s2_sparsity, previous)
         c = s3.chosen if s3 else {"sparsity": s2_sparsity, "score": "logit", "window": 0.0}
-        spec = self._spec(gamma=gamma, sparsity=round(c["sparsity"], 4), score=c["score"],
+        spec = self._spec(gamma=gamma, sparsity=round(c["sparsity"], SPARSITY_DIGITS),
+                          score=c["score"],
                           window=c["window"])
         self.baselines(batch, spec)
         return spec, [s for s in (s2, s3) if s is not None]
@@ -647,7 +666,9 @@ class Tuner:
             steps.append(s1)
             for batch in self.sizes:
                 try:
-                    chosen[batch], size_steps = self._tune_size(batch, s1.chosen["sparsity"])
+                    previous = chosen[max(chosen)] if chosen else None
+                    chosen[batch], size_steps = self._tune_size(batch, s1.chosen["sparsity"],
+                                                                previous)
                     steps += size_steps
                 except (StepFailed, torch.cuda.OutOfMemoryError) as error:
                     if isinstance(error, torch.cuda.OutOfMemoryError):
