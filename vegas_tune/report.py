@@ -676,8 +676,8 @@ def _cost_model(steps: list[dict]) -> str:
               if abs(error) > COST_MODEL_TOLERANCE]
     lines = ["## Cost model", "",
              f"The gamma step predicts tokens/s for every gamma and step-1 sparsity from "
-             f"step 1's acceptance and, at each batch size, one vanilla run and two probe "
-             f"runs (gamma 1 and the probe gamma); then it measures the best predicted. Over {len(points)} measured points the prediction error ranges "
+             f"step 1's acceptance and, at each batch size, one vanilla run and up to three "
+             f"probe runs (see vegas_tune.costmodel); then it measures the best predicted. Over {len(points)} measured points the prediction error ranges "
              f"from {_signed_percent(min(e for *_, e in points))} to "
              f"{_signed_percent(max(e for *_, e in points))} (largest "
              f"{100 * worst:.1f}%; tolerance {COST_MODEL_TOLERANCE:.0%})."]
@@ -710,10 +710,10 @@ def _miss_reason(prediction: dict, error: float) -> str:
              f"({_signed_percent(acceptance)})",
              f"iteration time predicted {_signed_percent(-timing / (1.0 + timing))} off "
              "the measured one"]
-    cause = ("acceptance: this run accepted differently from step 1's runs, which the "
-             "model takes as independent of gamma and batch size"
+    cause = ("acceptance: this run accepted differently from step 1's rates as this "
+             "size's probes rescaled them"
              if abs(acceptance) >= abs(timing) else
-             "timing: the probes' line in gamma did not hold here")
+             "timing: the probes' lines in gamma and K/V share did not hold here")
     return f"{'; '.join(parts)}; mostly {cause}."
 
 

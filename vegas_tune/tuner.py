@@ -5,8 +5,9 @@
    size: greedy acceptance on fixed prompts does not vary between runs, nor with the
    batch size. Chosen: the smallest ratio within ``tolerance`` of the plateau.
 Then, for each batch size B, smallest first:
-2. ``costs``: one vanilla run and two probe runs (the probe gamma and gamma 1, at step 1's
-   sparsity) time the steps at B.
+2. ``costs``: one vanilla run and three probe runs (the probe gamma and gamma 1 at step
+   1's sparsity, the probe gamma at another step-1 ratio) time the steps at B and say how
+   acceptance there differs from step 1's.
 3. ``gamma``: the cost model (``vegas_tune.costmodel``) predicts tokens/s at B for every
    gamma up to ``gamma_max`` and every step-1 sparsity, from step 1's acceptance and the
    step costs; the ``gamma_candidates`` best predicted are measured.
@@ -43,8 +44,8 @@ import torch
 
 from vegas_core import SpecConfig
 from vegas_core.errors import VegasError
-from vegas_tune.costmodel import (ProbeRun, StepCosts, budget_share, expected_tokens,
-                                  predict_tokens_per_second)
+from vegas_tune.costmodel import (ProbeRun, StepCosts, batch_acceptance, budget_share,
+                                  expected_tokens, predict_tokens_per_second)
 from vegas_tune.measure import Measurement, Measurer, interleave, ratio_estimate, series_attrs
 from vegas_tune.progress import ProgressCallback, ProgressEvent
 from vegas_tune.stats import Estimate, choose_within_noise, estimate
@@ -69,9 +70,10 @@ MIN_INTERVAL_ROUNDS = 2
 MIN_TOKENS_PER_MEASUREMENT = 64
 # A steady window shorter than this is warned about: timer and launch jitter dominate.
 MIN_TIMED_SECONDS = 0.1
-# The measurements of the costs step: vanilla, the probe (probe gamma) and a short probe
-# (gamma 1, same sparsity): two probes fit the cost model's line in gamma.
-COSTS_CONFIGS = ("vanilla", "probe", "short")
+# The measurements of the costs step: vanilla, the probe (probe gamma), a short probe
+# (gamma 1, same sparsity) and a sparse probe (probe gamma, another step-1 ratio): the
+# cost model's lines in gamma and in K/V share (``vegas_tune.costmodel``).
+COSTS_CONFIGS = ("vanilla", "probe", "short", "sparse")
 SHORT_PROBE_GAMMA = 1
 # Decimals of a refined sparsity ratio: finer steps change no budget by a token at the
 # contexts tuned here, and the profile stays readable.
@@ -463,14 +465,19 @@ class Tuner:
                 for t in self._complete(study)}
 
     def step_costs(self, batch: int, sparsity: float) -> StepCosts:
-        """Time vanilla and the two probes at ``batch`` (one run each; one probe when the
-        probe gamma is already the short probe's)."""
+        """Time vanilla and the probes at ``batch``, one run each: the probe gamma at
+        ``sparsity`` (step 1's choice), gamma 1 there (unless the probe gamma is 1), and
+        the probe gamma at the step-1 ratio whose budget differs most (the smallest
+        below, else the largest above; none when every ratio gives the same budget)."""
         import optuna
 
         study = self._study("costs", optuna.samplers.RandomSampler(), batch)
         specs = {"vanilla": None, "probe": self._spec(sparsity=sparsity)}
         if self.options.probe_gamma != SHORT_PROBE_GAMMA:
             specs["short"] = self._spec(gamma=SHORT_PROBE_GAMMA, sparsity=sparsity)
+        other = self._sparse_probe_ratio(sparsity, batch)
+        if other is not None:
+            specs["sparse"] = self._spec(sparsity=other)
 
         def objective(trial) -> float:
             name = trial.suggest_categorical("config", list(COSTS_CONFIGS))
@@ -487,11 +494,24 @@ class Tuner:
         by_name = {t.params["config"]: t.user_attrs for t in done}
         if set(by_name) != set(specs):
             raise StepFailed(f"step '{self._label('costs', batch)}' could not time vanilla "
-                             "and both probes")
-        probes = tuple(_probe_run(by_name[name], specs[name].gamma)
-                       for name in ("probe", "short") if name in specs)
-        return StepCosts(by_name["vanilla"]["decode_step_seconds"], probes,
-                         probe_share=self._share(sparsity, batch))
+                             "and every probe")
+
+        def probe(name: str) -> ProbeRun | None:
+            if name not in specs:
+                return None
+            spec = specs[name]
+            return _probe_run(by_name[name], spec, self._share(spec.sparsity, batch))
+
+        return StepCosts(by_name["vanilla"]["decode_step_seconds"], probe("probe"),
+                         short=probe("short"), sparse=probe("sparse"))
+
+    def _sparse_probe_ratio(self, sparsity: float, batch: int) -> float | None:
+        share = self._share(sparsity, batch)
+        others = sorted(r for r in self._acceptance() if self._share(r, batch) != share)
+        below = [r for r in others if r < sparsity]
+        if below:
+            return below[0]
+        return others[-1] if others else None
 
     def _share(self, sparsity: float, batch: int) -> float:
         """The draft budget's share of the mean prefix of ``batch``'s workload."""
@@ -502,7 +522,8 @@ class Tuner:
     def step_gamma(self, batch: int, costs: StepCosts) -> StepResult:
         import optuna
 
-        acceptance = self._acceptance()
+        # Step 1 measured acceptance at the smallest size; the probes say how it differs here.
+        acceptance = batch_acceptance(self._acceptance(), costs.probes)
         gamma_top = min(self.options.gamma_max, self.options.probe_gamma)
         predicted = {(g, s): predict_tokens_per_second(a, costs, g, batch, self._share(s, batch))
                      for s, a in acceptance.items() for g in range(1, gamma_top + 1)}
@@ -538,8 +559,8 @@ class Tuner:
                 "measured_mean_accepted_length": _rounded(m.get("mean_accepted_length"), 4),
                 "measured_speedup": _rounded(speedup and speedup.mean, 4),
                 "measured_speedup_interval": _interval(speedup)})
-        probes = " and ".join(str(p.gamma) for p in sorted(costs.probes, key=lambda p: p.gamma))
-        notes = (f"cost model from probes at gamma {probes} at the step-1 sparsity, "
+        probes = ", ".join(f"gamma {p.gamma} at {p.sparsity:g}" for p in costs.probes)
+        notes = (f"cost model from probes ({probes}) and step 1's acceptance, "
                  f"over gamma 1..{gamma_top} and the step-1 ratios; measured the "
                  f"{len(candidates)} best predicted"
                  + _tie_note(tied, "the smallest gamma, then the smallest sparsity"))
@@ -801,13 +822,14 @@ class Tuner:
         return rows
 
 
-def _probe_run(attrs: dict, gamma: int) -> ProbeRun:
-    """A probe measurement's timings: the steady window's iterations where there are
-    any, else every timed iteration."""
+def _probe_run(attrs: dict, spec: SpecConfig, share: float) -> ProbeRun:
+    """A probe measurement: the steady window's iterations where there are any, else
+    every timed iteration."""
     steady = attrs["steady_iterations"]
     seconds = attrs["steady_seconds"] if steady else attrs["decode_seconds"]
-    return ProbeRun(gamma, seconds / max(steady or attrs["iterations"], 1),
-                    attrs["draft_step_seconds"])
+    return ProbeRun(spec.gamma, spec.sparsity, share,
+                    seconds / max(steady or attrs["iterations"], 1),
+                    attrs["draft_step_seconds"], tuple(attrs["acceptance_by_position"]))
 
 
 def _free_device_memory(measurer: Measurer) -> None:
