@@ -483,3 +483,21 @@ def test_time_budget_writes_the_best_profile_the_finished_trials_support(
     (entry,) = profile["schedule"]
     assert entry["config"] == "vanilla" and entry["results"]["speedup"] is None
     assert entry["results"]["rounds"] == 1 and profile["cut_short"][0].startswith("sparsity")
+
+
+def test_time_budget_with_no_finished_trial_exits_2_and_writes_nothing(tmp_path, monkeypatch,
+                                                                        capsys):
+    # Every measurement runs out of memory, slowly: the budget ends with nothing finished.
+    def failing(self, spec, report=None):
+        time.sleep(0.05)
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 80 GiB")
+
+    monkeypatch.setattr("vegas_tune.measure.Measurer.measure", failing)
+    out = tmp_path / "p.yaml"
+    code, _, err = run([*FAST, "--out", str(out), "--sparsity-grid",
+                        ",".join(str(0.01 * k) for k in range(1, 30)), "--time-budget", "0.3"],
+                       capsys)
+    assert code == 2 and not out.exists()
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "before any trial finished" in lines[0], err
+    assert "Traceback" not in err
