@@ -18,7 +18,7 @@ from tests.test_engine import tiny_model
 from tests.test_profile import TUNED, sample_profile, sample_profile_dict
 
 REPO = Path(__file__).resolve().parent.parent
-SCHEMA_2 = REPO / "profiles" / "smollm2-135m" / "h200-8k.yaml"
+SCHEMA_2 = REPO / "profiles" / "smollm2-135m" / "h200-4k.yaml"
 FAST = SpecConfig(gamma=3, sparsity=0.1, min_tokens=4)
 SLOW = SpecConfig(drafter="streaming", gamma=2, sparsity=0.2, min_tokens=8)
 
@@ -87,7 +87,7 @@ def test_from_schema_2_profile_file():
     data["recommended"], data["workload"]["batch_size"] = True, 8
     schedule = SpecSchedule.from_profile_data(data, str(SCHEMA_2))
     assert schedule.entries == (ScheduleRange(1, 8, SpecConfig(
-        drafter="vegas", gamma=1, sparsity=0.0552, min_tokens=64, collect="two",
+        drafter="vegas", gamma=3, sparsity=0.1103, min_tokens=64, collect="two",
         score="logit", granularity="layer", window=0.75)),)
 
 

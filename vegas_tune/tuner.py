@@ -668,8 +668,7 @@ class Tuner:
         s3 = self.step_refine(batch, gamma, s2_sparsity, previous)
         c = s3.chosen if s3 else {"sparsity": s2_sparsity, "score": "logit", "window": 0.0}
         spec = self._spec(gamma=gamma, sparsity=round(c["sparsity"], SPARSITY_DIGITS),
-                          score=c["score"],
-                          window=c["window"])
+                          score=c["score"], window=c["window"])
         self.baselines(batch, spec)
         return spec, [s for s in (s2, s3) if s is not None]
 
