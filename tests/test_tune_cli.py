@@ -148,7 +148,11 @@ def test_ctrl_c_exits_130_and_keeps_trials(tmp_path):
     argv = [sys.executable, "-m", "vegas_tune.cli", *FAST, "--ctx", "2k", "--num-prompts", "3",
             "--sparsity-grid", "0.02,0.05,0.1,0.2,0.3", "--refine-trials", "200",
             "--out", str(tmp_path / "p.yaml"), "--storage", storage, "--study-name", "int"]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # As from a terminal: SIGINT at its default, also when this test runs under a parent
+    # that ignores it (a background job of a non-interactive shell), which the child would
+    # inherit and Python would keep.
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 300
     while time.time() < deadline and len(completed_trials(storage, "int:sparsity")) < 1:
         time.sleep(0.2)
