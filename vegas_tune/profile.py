@@ -40,7 +40,7 @@ from vegas_core.errors import VegasError
 from vegas_core.yamlio import MAX_YAML_BYTES, read_yaml, read_yaml_file  # noqa: F401 (public here too)
 from vegas_core.spec_config import (COLLECT, DRAFTERS, GRANULARITIES, MAX_GAMMA, MAX_WINDOW,
                                     SCORES)
-from vegas_core.schedule import SpecSchedule
+from vegas_core.schedule import VANILLA, SpecSchedule  # VANILLA: public here too
 
 SCHEMA_VERSION = 3
 # Profiles of this older version are read by upgrading them (``profile_from_dict``).
@@ -265,9 +265,6 @@ def _check_acceptance(results: Results, gamma: int, loc: tuple, gamma_name: str)
             (*loc, "mean_accepted_length"),
             f"{results.mean_accepted_length:g} exceeds {gamma_name} + 1 = {gamma + 1}, "
             "the most one iteration can accept")
-
-
-VANILLA = "vanilla"
 
 
 class ScheduleEntry(_Strict):
