@@ -447,6 +447,34 @@ def test_batch_list_measures_acceptance_once_and_writes_a_schedule(tmp_path, mon
         assert len(err.strip().splitlines()) == 1
 
 
+def test_the_largest_size_is_refined_and_smaller_sizes_start_from_its_choice(
+        tmp_path, monkeypatch, capsys):
+    # A window pays at every size: the largest size's refine finds it, and the sizes
+    # below try it first instead of searching again.
+    measure = batch_aware_measure(lambda batch, spec: 1.2 + 0.4 * (spec.window > 0))
+    monkeypatch.setattr("vegas_tune.measure.Measurer.measure", measure)
+    out = tmp_path / "p.yaml"
+    code, _, err = run([*FAST, "--out", str(out), "--batch-size", "1,4",
+                        "--refine-trials", "6", "--refine-trials-below", "1"], capsys)
+    assert code == 0, err
+    profile = yaml.safe_load(out.read_text())
+    refine = {s["batch_size"]: s for s in profile["steps"] if s["name"] == "refine"}
+    assert refine[4]["trials"] == 6 and refine[1]["trials"] == 1
+    assert refine[4]["chosen"]["window"] > 0
+    assert "starting from batch 4's choice" in refine[1]["notes"]
+    # The one trial below is the largest size's score and window at batch 1's sparsity.
+    gamma_1 = next(s for s in profile["steps"] if s["name"] == "gamma" and s["batch_size"] == 1)
+    assert refine[1]["chosen"]["window"] == refine[4]["chosen"]["window"]
+    assert refine[1]["chosen"]["sparsity"] == gamma_1["chosen"]["sparsity"]
+    # The largest size was tuned first; the profile lists the steps smallest size first.
+    first_at = [b for b, s in measure.calls if s is None]
+    assert first_at[0] == 4, first_at
+    assert [s["batch_size"] for s in profile["steps"]] == [None, 1, 1, 4, 4]
+    code, _, err = run([*FAST, "--out", str(tmp_path / "q.yaml"), "--refine-trials-below",
+                        "-1"], capsys)
+    assert code == 2 and "--refine-trials-below must be >= 0, got -1" in err
+
+
 def test_a_size_out_of_memory_is_recorded_and_the_others_go_on(tmp_path, monkeypatch, capsys):
     measure = batch_aware_measure(lambda batch, spec: 1.5, fail_at=(8,))
     monkeypatch.setattr("vegas_tune.measure.Measurer.measure", measure)

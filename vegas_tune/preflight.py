@@ -22,6 +22,8 @@ from vegas_core.spec_config import MAX_GAMMA
 # Settings that count something, so must be whole numbers >= 1.
 POSITIVE_INTS = ("batch_size", "max_new_tokens", "num_prompts", "probe_gamma", "gamma_max",
                  "min_tokens", "gamma_candidates", "refine_trials")
+# Settings that count something optional, so must be whole numbers >= 0.
+NON_NEGATIVE_INTS = ("refine_trials_below",)
 # Settings that are draft lengths, bounded by what the engine accepts.
 GAMMA_SETTINGS = ("probe_gamma", "gamma_max")
 # numpy's seed range, which optuna's samplers pass the seed to.
@@ -43,7 +45,7 @@ def _label(labels: Mapping[str, str], name: str) -> str:
 
 def check_values(values: Mapping[str, Any], labels: Mapping[str, str] | None = None) -> None:
     """Range checks of the tune settings present in ``values`` (None values skipped):
-    counts >= 1, gammas <= the engine's maximum, 0 <= seed <= ``MAX_SEED``,
+    counts >= 1 (>= 0 where optional), gammas <= the engine's maximum, 0 <= seed <= ``MAX_SEED``,
     0 <= tolerance < 1, temperature >= 0, time_budget > 0, 0 < precision < 1,
     max_rounds >= the tuner's minimum, a known log level."""
     from vegas_tune.tuner import MIN_ROUNDS, min_new_tokens
@@ -62,6 +64,9 @@ def check_values(values: Mapping[str, Any], labels: Mapping[str, str] | None = N
         for item in given if isinstance(given, (list, tuple)) else [given]:
             if item is not None and item < 1:
                 raise VegasError(f"{_label(labels, name)} must be >= 1, got {item}")
+    for name in NON_NEGATIVE_INTS:
+        if value(name) is not None and value(name) < 0:
+            fail(name, ">= 0")
     for name in GAMMA_SETTINGS:
         if value(name) is not None and value(name) > MAX_GAMMA:
             fail(name, f"<= {MAX_GAMMA} (the most draft tokens the engine accepts)")

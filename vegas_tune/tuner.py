@@ -96,7 +96,8 @@ class TuneOptions:
     tolerance: float = 0.03
     min_tokens: int = 256
     gamma_candidates: int = 3
-    refine_trials: int = 8
+    refine_trials: int = 8  # at the largest batch size
+    refine_trials_below: int = 2  # at each smaller size, starting from the largest's choice
     seed: int = 0
     time_budget: float | None = None  # seconds for the whole run
     max_rounds: int = 8  # measurement rounds per configuration, at most
@@ -570,27 +571,33 @@ class Tuner:
                           predictions, [_noise_row(t, keys) for t in tied], batch)
 
     def step_refine(self, batch: int, gamma: int, sparsity: float,
-                    previous: SpecConfig | None = None) -> StepResult | None:
-        """TPE over sparsity, score and window at ``gamma``; ``previous``, the choice at
-        the next smaller batch size, is tried second where it lies in the range."""
+                    reference: SpecConfig | None = None,
+                    gamma_winner=None) -> StepResult | None:
+        """TPE over sparsity, score and window at ``gamma``.
+
+        Without ``reference`` (the largest batch size) it runs ``refine_trials``, the gamma
+        step's winner first. Below, ``reference`` is the largest size's choice: score and
+        window rank tokens the same way at every batch size, so ``refine_trials_below``
+        trials start from it (its score and window at this size's sparsity, then its
+        sparsity too) and the choice is the best of them and ``gamma_winner``, the gamma
+        step's trial, which is not measured again."""
         import optuna
 
-        if self.options.refine_trials < 1:
+        total = self.options.refine_trials if reference is None else self.options.refine_trials_below
+        if total < 1:
             return None
         low, high = max(sparsity / 2, 1e-3), min(sparsity * 2, 1.0)
         sampler = optuna.samplers.TPESampler(seed=self.options.seed, n_startup_trials=4)
         study = self._study("refine", sampler, batch)
+        winner = {"sparsity": sparsity, "score": "logit", "window": 0.0}
         if not study.get_trials(deepcopy=False):
-            # The step-3 winner first, so refining can only keep or improve it.
-            first = {"sparsity": sparsity, "score": "logit", "window": 0.0}
-            study.enqueue_trial(first)
-            # Score and window rank tokens the same way at every batch size: what won at
-            # the size below is a strong start here.
-            if previous is not None and low <= previous.sparsity <= high:
-                known = {"sparsity": previous.sparsity, "score": previous.score,
-                         "window": previous.window}
-                if known != first and self.options.refine_trials > 1:
-                    study.enqueue_trial(known)
+            for params in _refine_starts(winner, reference, low, high)[:total]:
+                study.enqueue_trial(params)
+        known = [gamma_winner] if reference is not None and gamma_winner is not None else []
+
+        def incumbent() -> Estimate | None:
+            measured = [e for e in map(_speedup_of, self._complete(study) + known) if e]
+            return max(measured, key=lambda e: e.mean) if measured else None
 
         def objective(trial) -> float:
             spec = self._spec(gamma=gamma,
@@ -601,19 +608,24 @@ class Tuner:
                               score=trial.suggest_categorical("score", ["logit", "weight"]),
                               window=trial.suggest_categorical("window", list(REFINE_WINDOWS)))
             trial.set_user_attr("batch_size", batch)
-            return self._measure_against_vanilla(trial, spec, self._incumbent(study), batch).mean
+            return self._measure_against_vanilla(trial, spec, incumbent(), batch).mean
 
         keys = ("sparsity", "score", "window")
-        done = self._run(study, objective, self.options.refine_trials, "refine", batch,
+        done = self._run(study, objective, total, "refine", batch,
                          best=lambda d: _best_words(d, keys))
-        chosen, tied = _refine_choice(done)
+        chosen, tied = _refine_choice(done + known)
+        start = ("" if reference is None else
+                 f", starting from batch {self.sizes[-1]}'s choice (score {reference.score}, "
+                 f"window {reference.window:g}, sparsity {reference.sparsity:g}) beside the "
+                 f"gamma step's winner")
         notes = (f"TPE over sparsity [{low:.3g}, {high:.3g}], score and window at gamma "
-                 f"{gamma}; {len(done)} complete, {self._finished(study) - len(done)} "
+                 f"{gamma}{start}; {len(done)} complete, {self._finished(study) - len(done)} "
                  f"stopped early or failed"
                  + _tie_note(tied, "the smallest sparsity, then no window and logit scores"))
         return StepResult("refine", study.study_name, self._finished(study),
-                          {**chosen.params, **_chosen_figures(chosen)}, notes,
-                          within_noise=[_noise_row(t, keys) for t in tied], batch_size=batch)
+                          {**_refine_params(chosen), **_chosen_figures(chosen)}, notes,
+                          within_noise=[{**_refine_params(t), **_chosen_figures(t)}
+                                        for t in tied], batch_size=batch)
 
     def baselines(self, batch: int, chosen: SpecConfig) -> dict[str, dict]:
         """The chosen configuration, vanilla and streaming at ``batch``, measured in
@@ -660,17 +672,24 @@ class Tuner:
 
     # ---- the run ---------------------------------------------------------------------
 
-    def _tune_size(self, batch: int, sparsity: float, previous: SpecConfig | None
+    def _tune_size(self, batch: int, sparsity: float, reference: SpecConfig | None
                    ) -> tuple[SpecConfig, list[StepResult]]:
         costs = self.step_costs(batch, sparsity)
         s2 = self.step_gamma(batch, costs)
         gamma, s2_sparsity = s2.chosen["gamma"], s2.chosen["sparsity"]
-        s3 = self.step_refine(batch, gamma, s2_sparsity, previous)
+        s3 = self.step_refine(batch, gamma, s2_sparsity, reference,
+                              self._gamma_choice(batch))
         c = s3.chosen if s3 else {"sparsity": s2_sparsity, "score": "logit", "window": 0.0}
         spec = self._spec(gamma=gamma, sparsity=round(c["sparsity"], SPARSITY_DIGITS),
                           score=c["score"], window=c["window"])
         self.baselines(batch, spec)
         return spec, [s for s in (s2, s3) if s is not None]
+
+    def order(self) -> list[int]:
+        """The order sizes are tuned in: the largest first (where speculation pays most,
+        and where the full refine step runs), then the rest from the smallest, so a run
+        cut short leaves the largest size tuned and the schedule's lower ranges measured."""
+        return self.sizes[-1:] + self.sizes[:-1]
 
     def run(self) -> TuneResult:
         """Every step at every size. When the budget runs out or Ctrl-C stops it, the
@@ -684,11 +703,11 @@ class Tuner:
         try:
             s1 = self.step_sparsity()
             steps.append(s1)
-            for batch in self.sizes:
+            largest = self.sizes[-1]
+            for batch in self.order():
                 try:
-                    previous = chosen[max(chosen)] if chosen else None
                     chosen[batch], size_steps = self._tune_size(batch, s1.chosen["sparsity"],
-                                                                previous)
+                                                                chosen.get(largest))
                     steps += size_steps
                 except (StepFailed, torch.cuda.OutOfMemoryError) as error:
                     if isinstance(error, torch.cuda.OutOfMemoryError):
@@ -724,6 +743,9 @@ class Tuner:
                              "or --ctx")
         if not any(s.name == "sparsity" for s in steps):
             steps.insert(0, self._sparsity_summary_from_trials())
+        # The shared step first, then each size's steps, smallest size first (the order
+        # of the schedule), whatever order the sizes were tuned in.
+        steps.sort(key=lambda s: -1 if s.batch_size is None else s.batch_size)
         return TuneResult(sizes, steps, self.all_trials(), sorted(not_tuned), cut, interrupted)
 
     def _cut_words(self, by: str) -> str:
@@ -733,7 +755,8 @@ class Tuner:
         study = self._existing(step, batch)
         done = self._finished(study) if study is not None else 0
         where = "" if batch is None else f" at batch {batch}"
-        later = [b for b in self.sizes if batch is not None and b > batch]
+        order = self.order()
+        later = order[order.index(batch) + 1:] if batch is not None else []
         plural = "s" if len(later) > 1 else ""
         rest = (f"; batch size{plural} {', '.join(map(str, later))} not reached"
                 if later else "")
@@ -762,17 +785,24 @@ class Tuner:
         return None
 
     def _best_measured(self, batch: int):
-        """The refine step's choice at ``batch`` if it finished a trial, else the gamma
-        step's; None when neither did."""
-        refine, gamma = self._existing("refine", batch), self._existing("gamma", batch)
+        """The refine step's choice at ``batch`` if it finished a trial (below the largest
+        size, together with the gamma step's winner), else the gamma step's; None when
+        neither finished one."""
+        refine = self._existing("refine", batch)
         done = self._complete(refine) if refine else []
-        if done:
-            return _refine_choice(done)[0]
+        winner = self._gamma_choice(batch)
+        if batch != self.sizes[-1] and winner is not None:
+            done = done + [winner]
+        return _refine_choice(done)[0] if done else None
+
+    def _gamma_choice(self, batch: int):
+        """The gamma step's chosen trial at ``batch``; None before it finished one."""
+        gamma = self._existing("gamma", batch)
         done = self._complete(gamma) if gamma else []
-        if done:
-            return choose_within_noise(
-                done, _speedup_of, lambda t: (t.params["gamma"], t.params["sparsity"]))[0]
-        return None
+        if not done:
+            return None
+        return choose_within_noise(
+            done, _speedup_of, lambda t: (t.params["gamma"], t.params["sparsity"]))[0]
 
     def _step1_result(self) -> SizeResult | None:
         """Step 1's choice among its finished trials, measured once without vanilla: all a
@@ -853,10 +883,35 @@ def _matching_baselines(complete: list, spec: SpecConfig) -> dict | None:
 
 
 def _refine_choice(done: list) -> tuple:
-    # Cheaper: fewer K/V entries read, then the paper's rule (no window, logit scores).
-    return choose_within_noise(
-        done, _speedup_of,
-        lambda t: (t.params["sparsity"], t.params["window"], t.params["score"] != "logit"))
+    """Among trials measured against vanilla (refine trials, and the gamma step's winner
+    below the largest size): the best, or within noise the cheaper, fewer K/V entries
+    read, then the paper's rule (no window, logit scores)."""
+    return choose_within_noise(done, _speedup_of, lambda t: _refine_key(_spec_of(t)))
+
+
+def _refine_key(spec: SpecConfig) -> tuple:
+    return spec.sparsity, spec.window, spec.score != "logit"
+
+
+def _refine_params(trial) -> dict:
+    """What the refine step varies, as the trial measured it (sparsity rounded)."""
+    spec = _spec_of(trial)
+    return {"sparsity": spec.sparsity, "score": spec.score, "window": spec.window}
+
+
+def _refine_starts(winner: dict, reference: SpecConfig | None, low: float,
+                   high: float) -> list[dict]:
+    """The refine step's first trials. At the largest size: the gamma step's winner, so
+    refining can only keep or improve it. Below: the largest size's score and window at
+    this size's sparsity, then at its sparsity too where that lies in the range; the
+    winner itself is already measured."""
+    if reference is None:
+        return [winner]
+    starts = [{**winner, "score": reference.score, "window": reference.window},
+              {"sparsity": reference.sparsity, "score": reference.score,
+               "window": reference.window}]
+    starts = [p for p in starts if low <= p["sparsity"] <= high and p != winner]
+    return [p for i, p in enumerate(starts) if p not in starts[:i]]
 
 
 def _spec_of(trial) -> SpecConfig:
