@@ -475,6 +475,24 @@ def test_the_largest_size_is_refined_and_smaller_sizes_start_from_its_choice(
     assert code == 2 and "--refine-trials-below must be >= 0, got -1" in err
 
 
+def test_a_smaller_size_where_the_largest_sizes_choice_loses_keeps_its_own(
+        tmp_path, monkeypatch, capsys):
+    # A window pays at batch 4 and halves the speedup at batch 1: batch 1's one refine
+    # trial is pruned against its gamma-step winner, which stands.
+    measure = batch_aware_measure(
+        lambda batch, spec: 1.2 + (0.4 if batch == 4 else -0.6) * (spec.window > 0))
+    monkeypatch.setattr("vegas_tune.measure.Measurer.measure", measure)
+    out = tmp_path / "p.yaml"
+    code, _, err = run([*FAST, "--out", str(out), "--batch-size", "1,4",
+                        "--refine-trials", "6", "--refine-trials-below", "1"], capsys)
+    assert code == 0, err
+    profile = yaml.safe_load(out.read_text())
+    assert [e["batch_size"] for e in profile["schedule"]] == [1, 4] and not profile["not_tuned"]
+    at_1, at_4 = (e["config"] for e in profile["schedule"])
+    assert at_4["window"] > 0 and at_1["window"] == 0.0
+    assert 1.1 < profile["schedule"][0]["results"]["speedup"] < 1.3
+
+
 def test_a_size_out_of_memory_is_recorded_and_the_others_go_on(tmp_path, monkeypatch, capsys):
     measure = batch_aware_measure(lambda batch, spec: 1.5, fail_at=(8,))
     monkeypatch.setattr("vegas_tune.measure.Measurer.measure", measure)

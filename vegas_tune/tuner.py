@@ -611,8 +611,15 @@ class Tuner:
             return self._measure_against_vanilla(trial, spec, incumbent(), batch).mean
 
         keys = ("sparsity", "score", "window")
-        done = self._run(study, objective, total, "refine", batch,
-                         best=lambda d: _best_words(d, keys))
+        try:
+            done = self._run(study, objective, total, "refine", batch,
+                             best=lambda d: _best_words(d, keys))
+        except StepFailed:
+            # Below the largest size every trial may be pruned against the gamma step's
+            # winner: then the winner stands.
+            if not known:
+                raise
+            done = []
         chosen, tied = _refine_choice(done + known)
         start = ("" if reference is None else
                  f", starting from batch {self.sizes[-1]}'s choice (score {reference.score}, "
