@@ -447,17 +447,24 @@ def test_batch_list_measures_acceptance_once_and_writes_a_schedule(tmp_path, mon
         assert len(err.strip().splitlines()) == 1
 
 
-def test_the_largest_size_is_refined_and_smaller_sizes_start_from_its_choice(
-        tmp_path, monkeypatch, capsys):
-    # A window pays at every size: the largest size's refine finds it, and the sizes
-    # below try it first instead of searching again.
-    measure = batch_aware_measure(lambda batch, spec: 1.2 + 0.4 * (spec.window > 0))
+def tune_1_and_4(speedup_at, tmp_path, monkeypatch, capsys):
+    """A tune at batch sizes 1 and 4 (6 refine trials at 4, 1 at 1) on a fake measure:
+    (the measure, with its calls, and the profile)."""
+    measure = batch_aware_measure(speedup_at)
     monkeypatch.setattr("vegas_tune.measure.Measurer.measure", measure)
     out = tmp_path / "p.yaml"
     code, _, err = run([*FAST, "--out", str(out), "--batch-size", "1,4",
                         "--refine-trials", "6", "--refine-trials-below", "1"], capsys)
     assert code == 0, err
-    profile = yaml.safe_load(out.read_text())
+    return measure, yaml.safe_load(out.read_text())
+
+
+def test_the_largest_size_is_refined_and_smaller_sizes_start_from_its_choice(
+        tmp_path, monkeypatch, capsys):
+    # A window pays at every size: the largest size's refine finds it, and the sizes
+    # below try it first instead of searching again.
+    measure, profile = tune_1_and_4(lambda batch, spec: 1.2 + 0.4 * (spec.window > 0),
+                                    tmp_path, monkeypatch, capsys)
     refine = {s["batch_size"]: s for s in profile["steps"] if s["name"] == "refine"}
     assert refine[4]["trials"] == 6 and refine[1]["trials"] == 1
     assert refine[4]["chosen"]["window"] > 0
@@ -479,14 +486,9 @@ def test_a_smaller_size_where_the_largest_sizes_choice_loses_keeps_its_own(
         tmp_path, monkeypatch, capsys):
     # A window pays at batch 4 and halves the speedup at batch 1: batch 1's one refine
     # trial is pruned against its gamma-step winner, which stands.
-    measure = batch_aware_measure(
-        lambda batch, spec: 1.2 + (0.4 if batch == 4 else -0.6) * (spec.window > 0))
-    monkeypatch.setattr("vegas_tune.measure.Measurer.measure", measure)
-    out = tmp_path / "p.yaml"
-    code, _, err = run([*FAST, "--out", str(out), "--batch-size", "1,4",
-                        "--refine-trials", "6", "--refine-trials-below", "1"], capsys)
-    assert code == 0, err
-    profile = yaml.safe_load(out.read_text())
+    _, profile = tune_1_and_4(
+        lambda batch, spec: 1.2 + (0.4 if batch == 4 else -0.6) * (spec.window > 0),
+        tmp_path, monkeypatch, capsys)
     assert [e["batch_size"] for e in profile["schedule"]] == [1, 4] and not profile["not_tuned"]
     at_1, at_4 = (e["config"] for e in profile["schedule"])
     assert at_4["window"] > 0 and at_1["window"] == 0.0
