@@ -27,6 +27,14 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", {}),
     "qwen3": ("Qwen3Config", {}),
     "mistral": ("MistralConfig", dict(sliding_window=None)),
+    # Local layers with an 8-token window around one global layer, two RoPE bases, and
+    # a query scale other than head_dim ** -0.5.
+    "gemma3": ("Gemma3TextConfig", dict(
+        sliding_window=8, layer_types=["sliding_attention", "full_attention",
+                                       "sliding_attention"],
+        query_pre_attn_scalar=24, rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1e6}})),
 }
 
 
@@ -41,6 +49,8 @@ def make_tiny_hf(family: str, path) -> "torch.nn.Module":
         for name, p in model.named_parameters():
             if name.endswith(".bias"):
                 p.normal_(0.0, 0.5)
+            elif family == "gemma3" and name.endswith("norm.weight"):
+                p.normal_(0.0, 0.3)  # Gemma's norms scale by 1 + w, and w starts at 0
     model.generation_config.pad_token_id = 0
     model.save_pretrained(path, safe_serialization=True)
     return model

@@ -9,6 +9,7 @@ import torch
 
 from vegas_core import generate, load_model
 from vegas_core.attention import AttentionMeta
+from vegas_core.spec_config import DRAFTERS
 from tests.conftest import FAMILIES
 
 LOGIT_RTOL = 1e-4
@@ -20,7 +21,8 @@ def full_logits(model, ids: list[int]) -> torch.Tensor:
     positions = torch.arange(len(ids))[None]
     cache = net.new_cache(1, len(ids))
     with torch.inference_mode():
-        return net.logits(net(tokens, positions, cache, AttentionMeta.full(positions, len(ids))))[0]
+        meta = AttentionMeta.full(positions, len(ids), model.config.window)
+        return net.logits(net(tokens, positions, cache, meta))[0]
 
 
 def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
@@ -61,3 +63,32 @@ def test_batched_greedy_matches_transformers(tiny_hf, family):
     result = generate(ours, prompts, max_new_tokens=32, ignore_eos=True, prefill_chunk=16)
     for ids, got in zip(prompts, result.tokens):
         assert got == hf_greedy(hf, ids, 32)
+
+
+def test_gemma3_layers_are_local_and_global():
+    """The tiny Gemma3's sliding layers see 8 positions, its global layer all of them:
+    a prompt longer than the window is where a wrong mask would show (above)."""
+    from vegas_core.config import ModelConfig
+    from tests.conftest import TINY
+
+    import transformers
+
+    _, extra = FAMILIES["gemma3"]
+    hf = transformers.Gemma3TextConfig(**TINY, **extra).to_dict()
+    config = ModelConfig.from_hf(hf, "tiny-gemma3")
+    assert config.window.size == 8 and config.window.layers == frozenset({0, 2})
+    assert [config.is_local(i) for i in range(3)] == [True, False, True]
+    assert config.mlp_activation == "gelu_tanh" and config.sandwich_norms
+
+
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_gemma3_speculative_greedy_equals_vanilla(tiny_hf, drafter):
+    from vegas_core import SpecConfig
+
+    path, _ = tiny_hf("gemma3")
+    ours = load_model(str(path), device="cpu", dtype="float32")
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (300, 120, 47)]
+    vanilla = generate(ours, prompts, max_new_tokens=24, ignore_eos=True).tokens
+    spec = SpecConfig(drafter=drafter, gamma=4, sparsity=0.1, min_tokens=16)
+    assert generate(ours, prompts, max_new_tokens=24, ignore_eos=True, spec=spec).tokens == vanilla

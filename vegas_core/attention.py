@@ -27,6 +27,7 @@ from typing import Protocol
 import torch
 
 from vegas_core.cache import KVCache
+from vegas_core.config import SlidingWindow
 
 MODES = ("full", "verify", "draft")
 # Kernels serve decode and verify windows; longer blocks (prefill chunks) use the reference.
@@ -164,11 +165,11 @@ class AttentionMeta:
     mode: str
     positions: torch.Tensor
     kv_len: int
-    sliding_window: int | None = None
+    sliding_window: SlidingWindow | None = None
     sparse: DraftSelection | None = None
     collector: ScoreCollector | None = None
     block_start: int | None = None
-    _causal: torch.Tensor | None = field(default=None, repr=False)
+    _causal: dict[int | None, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -177,19 +178,19 @@ class AttentionMeta:
             raise ValueError("draft attention needs a SparseSelection, other modes none")
 
     @classmethod
-    def full(cls, positions: torch.Tensor, kv_len: int, sliding_window: int | None = None):
+    def full(cls, positions: torch.Tensor, kv_len: int, sliding_window: SlidingWindow | None = None):
         return cls("full", positions, kv_len, sliding_window)
 
     @classmethod
     def prefill(cls, batch: int, start: int, end: int, device: torch.device,
-                sliding_window: int | None = None):
+                sliding_window: SlidingWindow | None = None):
         """A prefill chunk: positions start..end-1 in each of ``batch`` sequences, over
         slots [0, end)."""
         positions = torch.arange(start, end, device=device).expand(batch, -1)  # [B, T]
         return cls("full", positions, end, sliding_window, block_start=start)
 
     @classmethod
-    def verify(cls, positions: torch.Tensor, kv_len: int, sliding_window: int | None = None,
+    def verify(cls, positions: torch.Tensor, kv_len: int, sliding_window: SlidingWindow | None = None,
                collector: ScoreCollector | None = None):
         """Full causal attention for a multi-row verify window; ``collector`` keeps the
         selection scores."""
@@ -197,24 +198,31 @@ class AttentionMeta:
 
     @classmethod
     def draft(cls, positions: torch.Tensor, kv_len: int, sparse: DraftSelection,
-              sliding_window: int | None = None):
+              sliding_window: SlidingWindow | None = None):
         return cls("draft", positions, kv_len, sliding_window, sparse)
 
-    def causal_mask(self) -> torch.Tensor:
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window that limits ``layer``, or None."""
+        w = self.sliding_window
+        return w.size if w is not None and w.applies(layer) else None
+
+    def causal_mask(self, layer: int = 0) -> torch.Tensor:
         """Boolean [B, T, S]: slot s is at or before the query's position (and inside
-        the sliding window, if the model has one). Built once per forward."""
-        if self._causal is None:
+        the sliding window, where it limits ``layer``). Built once per forward and kind
+        of layer."""
+        window = self.window_of(layer)
+        if window not in self._causal:
             slots = torch.arange(self.kv_len, device=self.positions.device)
             pos = self.positions[:, :, None]
             mask = slots <= pos
-            if self.sliding_window is not None:
-                mask &= slots > pos - self.sliding_window
-            self._causal = mask
-        return self._causal
+            if window is not None:
+                mask &= slots > pos - window
+            self._causal[window] = mask
+        return self._causal[window]
 
     def mask(self, layer: int, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """Boolean [B, G, 1, T, S] for ``layer``; G is 1 or H_kv."""
-        causal = self.causal_mask()[:, None]  # [B, 1, T, S]
+        causal = self.causal_mask(layer)[:, None]  # [B, 1, T, S]
         if self.sparse is None:
             return causal[:, :, None]
         selected = self.sparse.prefix_mask(layer, self.kv_len, q, k, self.positions)
@@ -288,7 +296,7 @@ def supported_head_dim(head_dim: int) -> bool:
     return head_dim >= MIN_KERNEL_HEAD_DIM and head_dim & (head_dim - 1) == 0
 
 
-def kernels_serve(q: torch.Tensor, rows: int, sliding_window: int | None) -> bool:
+def kernels_serve(q: torch.Tensor, rows: int, sliding_window: SlidingWindow | None) -> bool:
     """Whether the Triton kernels can serve forwards of ``rows`` query rows of this
     shape and device (the condition for capturing decode steps in CUDA graphs)."""
     if sliding_window is not None or rows > MAX_KERNEL_ROWS or not kernels_enabled(q):
@@ -299,7 +307,7 @@ def kernels_serve(q: torch.Tensor, rows: int, sliding_window: int | None) -> boo
 def kernels_serve_model(config, device: torch.device, rows: int) -> bool:
     """``kernels_serve`` for forwards of ``rows`` rows of a model with this config."""
     probe = torch.empty(0, config.num_heads, config.head_dim, device=device)
-    return kernels_serve(probe, rows, config.sliding_window)
+    return kernels_serve(probe, rows, config.window)
 
 
 def _kernel_attention(q, k, v, layer: int, meta: AttentionMeta) -> torch.Tensor | None:
@@ -337,7 +345,7 @@ def attend(q: torch.Tensor, cache: KVCache, layer: int, meta: AttentionMeta) -> 
     else the reference (query-dependent selections, collectors of the peer drafters,
     sliding windows)."""
     k, v = cache.layer(layer, meta.kv_len)
-    if (meta.block_start is not None and meta.sliding_window is None
+    if (meta.block_start is not None and meta.window_of(layer) is None
             and meta.collector is None and prefill_kernels_enabled()):
         # Every prefill chunk, short ones too: no Triton kernel compiled per chunk shape.
         from kernels.prefill_attention import prefill_attention

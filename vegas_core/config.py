@@ -2,7 +2,8 @@
 
 Filled from a Hugging Face ``config.json``, from GGUF metadata, or from a dummy
 preset. Architecture differences (Qwen2's qkv bias, Qwen3's q/k RMSNorm, Llama 3's
-RoPE scaling) are flags here, never separate model code.
+RoPE scaling, Gemma3's sandwich norms, GeGLU and local sliding layers) are flags here,
+never separate model code.
 """
 
 from __future__ import annotations
@@ -14,7 +15,23 @@ from typing import Any
 from vegas_core.errors import VegasError
 
 # Hugging Face model_type -> our family. Mistral is a Llama with an optional sliding window.
-HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+                  "gemma3_text": "gemma3"}
+MLP_ACTIVATIONS = ("silu", "gelu_tanh")
+# Hugging Face layer_types values.
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+@dataclass(frozen=True)
+class SlidingWindow:
+    """Attention limited to the last ``size`` positions (the query's own included), in
+    ``layers`` only (None: every layer, as in Mistral)."""
+
+    size: int
+    layers: frozenset[int] | None = None
+
+    def applies(self, layer: int) -> bool:
+        return self.layers is None or layer in self.layers
 # "freq_factors": per-frequency divisors stored in a GGUF file (rope_freqs.weight).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
 
@@ -40,6 +57,19 @@ class ModelConfig:
     o_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
+    # Per layer SLIDING or FULL (Gemma3's local and global layers); None: every layer
+    # as ``sliding_window`` says.
+    layer_types: list[str] | None = None
+    # RoPE base of the sliding layers, where it differs (Gemma3: 10k local, 1M global);
+    # ``rope_scaling`` applies to the other layers only.
+    rope_local_theta: float | None = None
+    mlp_activation: str = "silu"
+    # Gemma3: embeddings times sqrt(hidden_size); a norm after attention and after the
+    # MLP as well as before each ("sandwich"); attention scaled by
+    # query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5.
+    scale_embeddings: bool = False
+    sandwich_norms: bool = False
+    query_pre_attn_scalar: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
 
@@ -49,12 +79,36 @@ class ModelConfig:
                 f"model config: num_heads {self.num_heads} is not a multiple of "
                 f"num_kv_heads {self.num_kv_heads}; the config is inconsistent"
             )
+        if self.mlp_activation not in MLP_ACTIVATIONS:
+            raise VegasError(f"MLP activation '{self.mlp_activation}' is not supported "
+                             f"(supported: {', '.join(MLP_ACTIVATIONS)})")
+        if self.layer_types is not None and (
+                len(self.layer_types) != self.num_layers
+                or not set(self.layer_types) <= {SLIDING, FULL}):
+            raise VegasError(f"model config: layer_types must give {SLIDING} or {FULL} for "
+                             f"each of the {self.num_layers} layers")
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise VegasError(
                 f"RoPE scaling '{rope_type}' is not supported (supported: "
                 f"{', '.join(SUPPORTED_ROPE_TYPES)}); use a model without it"
             )
+
+    @property
+    def window(self) -> SlidingWindow | None:
+        """The sliding window and the layers it limits; None when attention is global."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is None:
+            return SlidingWindow(self.sliding_window)
+        layers = frozenset(i for i, t in enumerate(self.layer_types) if t == SLIDING)
+        return SlidingWindow(self.sliding_window, layers) if layers else None
+
+    def is_local(self, layer: int) -> bool:
+        """Whether ``layer`` is a sliding layer with its own RoPE base."""
+        window = self.window
+        return (self.rope_local_theta is not None and window is not None
+                and window.applies(layer))
 
     @property
     def group_size(self) -> int:
@@ -68,7 +122,7 @@ class ModelConfig:
         if self.qkv_bias:
             attn += h * hd + 2 * kv * hd
         mlp = 3 * d * self.intermediate_size
-        norms = 2 * d + (2 * hd if self.qk_norm else 0)
+        norms = (4 if self.sandwich_norms else 2) * d + (2 * hd if self.qk_norm else 0)
         embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * (attn + mlp + norms) + embed + d
 
@@ -87,12 +141,13 @@ class ModelConfig:
             )
         family = HF_MODEL_TYPES[model_type]
         heads = hf["num_attention_heads"]
+        if family == "gemma3":
+            return _gemma3_config(cls, hf, name)
         # transformers 5 stores RoPE settings in rope_parameters; older configs use
         # rope_theta + rope_scaling.
-        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-        theta = rope.pop("rope_theta", None) or hf.get("rope_theta", 10000.0)
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        rope_scaling = None if rope_type == "default" else {**rope, "rope_type": rope_type}
+        theta, rope_scaling = _rope_settings(
+            hf.get("rope_parameters") or hf.get("rope_scaling") or {},
+            hf.get("rope_theta", 10000.0))
         sliding = hf.get("sliding_window")
         if family != "llama" and not hf.get("use_sliding_window", False):
             sliding = None
@@ -110,7 +165,7 @@ class ModelConfig:
             head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta),
+            rope_theta=theta,
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=family == "qwen2" or bool(hf.get("attention_bias", False)),
@@ -120,6 +175,66 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
+
+
+def _rope_settings(rope: dict[str, Any], default_theta: float) -> tuple[float, dict | None]:
+    """(theta, rope_scaling or None) from one RoPE mapping of a config."""
+    rope = dict(rope)
+    theta = rope.pop("rope_theta", None) or default_theta
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    return float(theta), (None if rope_type == "default" else {**rope, "rope_type": rope_type})
+
+
+def _gemma3_config(cls, hf: dict[str, Any], name: str) -> "ModelConfig":
+    """Gemma3's text model: its layer types, two RoPE bases and variant flags."""
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if hf.get(key) is not None:
+            raise VegasError(f"{name}: {key} is set; Gemma3 models have none, and soft-capped "
+                             "logits are not supported")
+    if hf.get("use_bidirectional_attention"):
+        raise VegasError(f"{name}: bidirectional attention (an encoder) is not supported")
+    heads = hf["num_attention_heads"]
+    layers = hf["num_hidden_layers"]
+    types = hf.get("layer_types")
+    if types is None:  # older configs: every sliding_window_pattern-th layer is global
+        pattern = hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or 6
+        types = [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(layers)]
+    rope = hf.get("rope_parameters") or {}
+    if SLIDING in rope or FULL in rope:  # transformers 5: one mapping per layer type
+        theta, scaling = _rope_settings(rope.get(FULL, {}), 1e6)
+        local_theta, local_scaling = _rope_settings(rope.get(SLIDING, {}), 1e4)
+        if local_scaling is not None:
+            raise VegasError(f"{name}: RoPE scaling on sliding layers is not supported")
+    else:
+        theta, scaling = _rope_settings(hf.get("rope_scaling") or {}, hf.get("rope_theta", 1e6))
+        local_theta = float(hf.get("rope_local_base_freq", 1e4))
+    eos = hf.get("eos_token_id")
+    return cls(
+        name=name, family="gemma3", vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"], intermediate_size=hf["intermediate_size"],
+        num_layers=layers, num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        max_position_embeddings=hf.get("max_position_embeddings", 32768),
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        qkv_bias=bool(hf.get("attention_bias", False)),
+        o_bias=bool(hf.get("attention_bias", False)), qk_norm=True,
+        sliding_window=hf.get("sliding_window"), layer_types=list(types),
+        rope_local_theta=local_theta,
+        mlp_activation=_hf_activation(hf.get("hidden_activation", "gelu_pytorch_tanh"), name),
+        scale_embeddings=True, sandwich_norms=True,
+        query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar") or hf.get("head_dim")),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+    )
+
+
+def _hf_activation(name: str, model: str) -> str:
+    known = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh", "silu": "silu"}
+    if name not in known:
+        raise VegasError(f"{model}: hidden activation '{name}' is not supported (supported: "
+                         f"{', '.join(known)})")
+    return known[name]
 
 
 # Shapes from the models' public config.json files. Dummy models use these with random

@@ -144,7 +144,7 @@ def _decode_setup(model: LoadedModel, batch: int, capacity: int):
     """-> (cache, forward): forward(tokens [B, 1], positions [B, 1], kv_len) -> last-row
     logits [B, V]. Where the kernels serve the step it runs on static buffers (a CUDA
     graph on a GPU) kept in the model's workspace; else eagerly with the host's key bound."""
-    net, dev, window = model.net, model.device, model.config.sliding_window
+    net, dev, window = model.net, model.device, model.config.window
     space = workspace(net, batch, capacity, dev) if kernels_serve_model(
         model.config, dev, 1) else None
     if space is not None:

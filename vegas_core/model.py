@@ -1,4 +1,4 @@
-"""The decoder-only transformer (Llama, Mistral, Qwen2, Qwen3).
+"""The decoder-only transformer (Llama, Mistral, Qwen2, Qwen3, Gemma3's text model).
 
 One forward for every mode: ``forward(tokens, positions, cache, meta)`` writes the new
 tokens' K/V into the cache at their positions and attends as ``meta`` says. Parameter
@@ -59,11 +59,13 @@ class Rope:
         return self.cos is None
 
 
-def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
-    """[head_dim / 2] float32 inverse frequencies, with the config's RoPE scaling."""
+def rope_inverse_frequencies(config: ModelConfig, *, local: bool = False) -> torch.Tensor:
+    """[head_dim / 2] float32 inverse frequencies, with the config's RoPE scaling; with
+    ``local``, those of the sliding layers (their own base, no scaling)."""
     d = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
-    scaling = config.rope_scaling or {}
+    theta = config.rope_local_theta if local else config.rope_theta
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    scaling = {} if local else (config.rope_scaling or {})
     kind = scaling.get("rope_type", "default")
     if kind == "freq_factors":
         inv_freq = inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
@@ -120,6 +122,10 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(hd, config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        # Attention divides by sqrt(head_dim); a model scaled by another constant
+        # (Gemma3's query_pre_attn_scalar) has its queries rescaled to match.
+        scalar = config.query_pre_attn_scalar
+        self.query_scale = 1.0 if scalar is None else math.sqrt(hd / scalar)
 
     def forward(self, x, rope: Rope, cache: KVCache, meta: AttentionMeta) -> torch.Tensor:
         b, t, _ = x.shape
@@ -141,6 +147,8 @@ class Attention(nn.Module):
             q = q * rope.cos + rotate_half(q) * rope.sin
             k = k * rope.cos + rotate_half(k) * rope.sin
             cache.write(self.layer, meta.positions, k, v)
+        if self.query_scale != 1.0:
+            q = q * self.query_scale
         out = attend(q, cache, self.layer, meta)  # [B, T, H, D]
         return self.o_proj(out.reshape(b, t, -1))
 
@@ -152,22 +160,32 @@ class MLP(nn.Module):
         # gate and up in one GEMM, like qkv_proj: rows [0, f) gate, [f, 2f) up.
         self.gate_up_proj = nn.Linear(d, 2 * f, bias=False)
         self.down_proj = nn.Linear(f, d, bias=False)
+        self.gelu = config.mlp_activation == "gelu_tanh"  # GeGLU (Gemma3), else SwiGLU
 
     def forward(self, x: torch.Tensor, *, fused: bool = False) -> torch.Tensor:
-        if fused:
+        if fused and not self.gelu:
             from kernels.layer_ops import silu_mul
 
             return self.down_proj(silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(act * up)
 
 
 class Block(nn.Module):
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        d, eps = config.hidden_size, config.rms_norm_eps
+        self.local_rope = config.is_local(layer)
+        self.input_layernorm = RMSNorm(d, eps)
         self.self_attn = Attention(config, layer)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(d, eps)
+        if config.sandwich_norms:
+            # Gemma3: post_attention_layernorm norms the attention output before the
+            # residual add; these two norm before and after the MLP.
+            self.pre_feedforward_layernorm = RMSNorm(d, eps)
+            self.post_feedforward_layernorm = RMSNorm(d, eps)
+        self.sandwich = config.sandwich_norms
         self.mlp = MLP(config)
 
     def forward(self, x, residual: torch.Tensor | None, rope: Rope, cache: KVCache,
@@ -180,8 +198,12 @@ class Block(nn.Module):
         else:
             normed, residual = self.input_layernorm(x, residual, fused=fused)
         attended = self.self_attn(normed, rope, cache, meta)
-        normed, residual = self.post_attention_layernorm(attended, residual, fused=fused)
-        return self.mlp(normed, fused=fused), residual
+        if not self.sandwich:
+            normed, residual = self.post_attention_layernorm(attended, residual, fused=fused)
+            return self.mlp(normed, fused=fused), residual
+        attended = self.post_attention_layernorm(attended, fused=fused)
+        normed, residual = self.pre_feedforward_layernorm(attended, residual, fused=fused)
+        return self.post_feedforward_layernorm(self.mlp(normed, fused=fused), fused=fused), residual
 
 
 class Transformer(nn.Module):
@@ -194,7 +216,16 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.register_buffer("inv_freq", rope_inverse_frequencies(config), persistent=False)
+        for name, table in self.rope_tables().items():
+            self.register_buffer(name, table, persistent=False)
+
+    def rope_tables(self) -> dict[str, torch.Tensor]:
+        """The RoPE buffers by name: ``inv_freq``, and ``local_inv_freq`` where the
+        sliding layers have their own base."""
+        tables = {"inv_freq": rope_inverse_frequencies(self.config)}
+        if any(self.config.is_local(i) for i in range(self.config.num_layers)):
+            tables["local_inv_freq"] = rope_inverse_frequencies(self.config, local=True)
+        return tables
 
     def new_cache(self, batch_size: int, max_len: int) -> KVCache:
         c = self.config
@@ -215,16 +246,26 @@ class Transformer(nn.Module):
         needs only one row per sequence.
         """
         x = self.embed_tokens(tokens)
-        if self._fused_layers(x):
-            rope = Rope(self.inv_freq)
-        else:
-            freqs = positions[..., None].float() * self.inv_freq  # [B, T, D/2]
-            angles = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]  # [B, T, 1, D]
-            rope = Rope(self.inv_freq, angles.cos().to(x.dtype), angles.sin().to(x.dtype))
+        if self.config.scale_embeddings:
+            # In the activations' dtype, as the reference implementation rounds it.
+            x = x * torch.tensor(self.config.hidden_size ** 0.5, dtype=x.dtype)
+        fused = self._fused_layers(x)
+        ropes = {False: self._rope(self.inv_freq, positions, x.dtype, fused)}
+        if hasattr(self, "local_inv_freq"):
+            ropes[True] = self._rope(self.local_inv_freq, positions, x.dtype, fused)
         residual = None
         for block in self.layers:
-            x, residual = block(x, residual, rope, cache, meta)
-        return self.norm(x, residual, fused=rope.fused)[0]
+            x, residual = block(x, residual, ropes[block.local_rope], cache, meta)
+        return self.norm(x, residual, fused=fused)[0]
+
+    @staticmethod
+    def _rope(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype,
+              fused: bool) -> Rope:
+        if fused:
+            return Rope(inv_freq)
+        freqs = positions[..., None].float() * inv_freq  # [B, T, D/2]
+        angles = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]  # [B, T, 1, D]
+        return Rope(inv_freq, angles.cos().to(dtype), angles.sin().to(dtype))
 
     def _fused_layers(self, x: torch.Tensor) -> bool:
         """Fused Triton norms, rotary + cache write and SiLU-mul wherever the Triton

@@ -234,7 +234,7 @@ def prefill(model, prompt_ids: list[list[int]], cache: KVCache, *,
     the token budget allows.
     """
     net, dev = model.net, model.device
-    window = model.config.sliding_window
+    window = model.config.window
     rows_per_chunk, tokens_per_forward = prefill_budget(model)
     rows_per_chunk = chunk or rows_per_chunk
     last_hidden = torch.zeros(len(prompt_ids), model.config.hidden_size, dtype=model.dtype,

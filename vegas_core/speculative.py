@@ -105,7 +105,7 @@ class SpeculativeSession:
         self.model, self.spec, self.params = model, spec, params
         self.net = model.net
         self.dev = model.device
-        self.window = model.config.sliding_window
+        self.window = model.config.window
         self.drafter = make_drafter(spec, model.config.num_layers)
         self.batch = len(lengths)
         self.generator = torch.Generator(device=self.dev).manual_seed(params.seed)

@@ -10,12 +10,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from vegas_core.config import ModelConfig
+from vegas_core.config import FULL, SLIDING, ModelConfig
 from vegas_core.errors import VegasError
 from vegas_core.loading.weights import build_with_weights
 from vegas_core.tokenizer import TokenizersTokenizer, TransformersTokenizer
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
+# What llama.cpp assumes of Gemma3 files rather than storing it: every sixth layer is
+# global, the local layers' RoPE base, and attention scaled by head_dim ** -0.5 (the
+# 270M-12B configs' query_pre_attn_scalar equals their head_dim).
+GEMMA3_GLOBAL_EVERY = 6
+GEMMA3_LOCAL_ROPE_THETA = 10000.0
+GEMMA3_END_OF_TURN = "<end_of_turn>"
 
 # GGUF tensor name -> Hugging Face parameter name (without the "model." prefix).
 _GLOBAL_NAMES = {
@@ -35,6 +41,13 @@ _BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+}
+# Gemma3's sandwich norms: ffn_norm is the norm before the MLP there.
+_GEMMA3_BLOCK_NAMES = {
+    **_BLOCK_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
@@ -115,6 +128,18 @@ def gguf_config(gf: GGUFFile) -> ModelConfig:
         rope_scaling = {"rope_type": "linear", "factor": float(a("rope.scaling.factor"))}
     eos = gf.get("tokenizer.ggml.eos_token_id")
     eot = gf.get("tokenizer.ggml.eot_token_id")
+    variant: dict[str, Any] = {}
+    if arch == "gemma3":
+        layers = int(a("block_count"))
+        head_dim = int(a("attention.key_length", hidden // heads))
+        if eot is None and tokens is not None and GEMMA3_END_OF_TURN in tokens:
+            eot = list(tokens).index(GEMMA3_END_OF_TURN)  # the chat turn's end
+        variant = dict(
+            sliding_window=int(a("attention.sliding_window")),
+            layer_types=[FULL if (i + 1) % GEMMA3_GLOBAL_EVERY == 0 else SLIDING
+                         for i in range(layers)],
+            rope_local_theta=GEMMA3_LOCAL_ROPE_THETA, mlp_activation="gelu_tanh",
+            scale_embeddings=True, sandwich_norms=True, query_pre_attn_scalar=float(head_dim))
     return ModelConfig(
         name=gf.get("general.name") or gf.path.stem,
         family=arch,
@@ -135,6 +160,7 @@ def gguf_config(gf: GGUFFile) -> ModelConfig:
         qk_norm="blk.0.attn_q_norm.weight" in names,
         bos_token_id=gf.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=sorted({int(i) for i in (eos, eot) if i is not None}),
+        **variant,
     )
 
 
@@ -153,6 +179,9 @@ def _unpermute_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def _gguf_tensors(gf: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    # Gemma's norms scale by 1 + w; llama.cpp stores 1 + w, which the model's RMSNorm
+    # multiplies by as it is.
+    block_names = _GEMMA3_BLOCK_NAMES if config.family == "gemma3" else _BLOCK_NAMES
     for tensor in gf.reader.tensors:
         name = tensor.name
         if name == "rope_freqs.weight":
@@ -161,9 +190,9 @@ def _gguf_tensors(gf: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, torc
             hf_name = _GLOBAL_NAMES[name]
         else:
             m = _BLOCK_RE.fullmatch(name)
-            if not m or m.group(2) not in _BLOCK_NAMES:
+            if not m or m.group(2) not in block_names:
                 raise VegasError(f"{gf.path.name}: unexpected tensor '{name}'; this model variant is not supported")
-            hf_name = f"layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+            hf_name = f"layers.{m.group(1)}.{block_names[m.group(2)]}.{m.group(3)}"
         w = torch.from_numpy(_tensor_array(tensor))
         if config.family == "llama" and name.endswith((".attn_q.weight", ".attn_k.weight", ".attn_q.bias", ".attn_k.bias")):
             heads = config.num_heads if ".attn_q." in name else config.num_kv_heads

@@ -67,9 +67,19 @@ def load_hf_dir(path: Path, *, device: torch.device, dtype: torch.dtype):
             f"{path} has a config.json but no *.safetensors weights; convert the "
             f"checkpoint to safetensors or download them"
         )
-    net = build_with_weights(config, _hf_tensors(path), device=device, dtype=dtype,
-                             source=str(path))
+    tensors = _hf_tensors(path)
+    if config.family == "gemma3":
+        tensors = _unit_offset_norms(tensors)
+    net = build_with_weights(config, tensors, device=device, dtype=dtype, source=str(path))
     return config, net, _hf_tokenizer(path, config)
+
+
+def _unit_offset_norms(tensors: Iterator[tuple[str, torch.Tensor]]
+                       ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Gemma checkpoints store each RMSNorm weight as w for a scale of 1 + w; the model's
+    RMSNorm multiplies by its weight, so it is given 1 + w (GGUF files store it so)."""
+    for name, tensor in tensors:
+        yield name, (tensor.float() + 1.0 if name.endswith("norm.weight") else tensor)
 
 
 def _hf_tokenizer(path: Path, config: ModelConfig):

@@ -9,7 +9,7 @@ import torch
 from vegas_core.config import ModelConfig
 from vegas_core.errors import VegasError
 from vegas_core.loading.memory import check_model_fits
-from vegas_core.model import Transformer, packed_projections, rope_inverse_frequencies
+from vegas_core.model import Transformer, packed_projections
 
 # Matches the initializer range of the public configs; only dummy models use it.
 DUMMY_INIT_STD = 0.02
@@ -27,7 +27,8 @@ def _empty_transformer(config: ModelConfig, device: torch.device, dtype: torch.d
     net = net.to(dtype=dtype).to_empty(device=device)
     if config.tie_word_embeddings:
         net.lm_head.weight = net.embed_tokens.weight
-    net.inv_freq = rope_inverse_frequencies(config).to(device)
+    for name, table in net.rope_tables().items():
+        setattr(net, name, table.to(device))
     return net
 
 
