@@ -27,6 +27,10 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", {}),
     "qwen3": ("Qwen3Config", {}),
     "mistral": ("MistralConfig", dict(sliding_window=None)),
+    # Layers 0 and 2 route each token to 2 of 8 experts; layer 1 stays dense.
+    "qwen3_moe": ("Qwen3MoeConfig", dict(
+        moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, mlp_only_layers=[1],
+        norm_topk_prob=True)),
     # Local layers with an 8-token window around one global layer, two RoPE bases, and
     # a query scale other than head_dim ** -0.5.
     "gemma3": ("Gemma3TextConfig", dict(

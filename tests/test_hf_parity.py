@@ -82,13 +82,22 @@ def test_gemma3_layers_are_local_and_global():
 
 
 @pytest.mark.parametrize("drafter", DRAFTERS)
-def test_gemma3_speculative_greedy_equals_vanilla(tiny_hf, drafter):
+@pytest.mark.parametrize("family", ["gemma3", "qwen3_moe"])
+def test_hybrid_and_moe_speculative_greedy_equals_vanilla(tiny_hf, family, drafter):
     from vegas_core import SpecConfig
 
-    path, _ = tiny_hf("gemma3")
+    path, _ = tiny_hf(family)
     ours = load_model(str(path), device="cpu", dtype="float32")
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (300, 120, 47)]
     vanilla = generate(ours, prompts, max_new_tokens=24, ignore_eos=True).tokens
     spec = SpecConfig(drafter=drafter, gamma=4, sparsity=0.1, min_tokens=16)
     assert generate(ours, prompts, max_new_tokens=24, ignore_eos=True, spec=spec).tokens == vanilla
+
+
+def test_qwen3_moe_routes_its_sparse_layers_only(tiny_hf):
+    from vegas_core.model import MLP, MixtureOfExperts
+
+    path, _ = tiny_hf("qwen3_moe")
+    net = load_model(str(path), device="cpu", dtype="float32").net
+    assert [type(b.mlp) for b in net.layers] == [MixtureOfExperts, MLP, MixtureOfExperts]

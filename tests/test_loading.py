@@ -12,7 +12,7 @@ from vegas_core.model import Transformer
 
 # Published parameter counts (model cards), to the precision the cards give.
 PUBLISHED_PARAMS = {"qwen3-8b": 8.19e9, "qwen3-4b": 4.02e9, "llama-3.1-8b": 8.03e9,
-                    "qwen2.5-7b": 7.62e9, "smollm2-135m": 0.135e9}
+                    "qwen2.5-7b": 7.62e9, "smollm2-135m": 0.135e9, "qwen3-30b-a3b": 30.5e9}
 
 
 @pytest.mark.parametrize("preset", sorted(set(PRESETS) - {"tiny"}))

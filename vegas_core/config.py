@@ -16,7 +16,7 @@ from vegas_core.errors import VegasError
 
 # Hugging Face model_type -> our family. Mistral is a Llama with an optional sliding window.
 HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-                  "gemma3_text": "gemma3"}
+                  "qwen3_moe": "qwen3_moe", "gemma3_text": "gemma3"}
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 # Hugging Face layer_types values.
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -39,7 +39,7 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
 @dataclass
 class ModelConfig:
     name: str
-    family: str  # "llama" | "qwen2" | "qwen3"
+    family: str  # "llama" | "qwen2" | "qwen3" | "qwen3_moe" | "gemma3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -70,6 +70,16 @@ class ModelConfig:
     scale_embeddings: bool = False
     sandwich_norms: bool = False
     query_pre_attn_scalar: float | None = None
+    # Mixture of experts (Qwen3-MoE): each token's MLP is the weighted sum of the
+    # ``experts_per_token`` experts its router ranks first (softmax over all experts,
+    # renormalized over the chosen ones with ``normalize_routing``). Layers in
+    # ``dense_layers``, and those not a multiple of ``moe_every``, keep a dense MLP.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    normalize_routing: bool = False
+    moe_every: int = 1
+    dense_layers: tuple[int, ...] = ()
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
 
@@ -104,6 +114,11 @@ class ModelConfig:
         layers = frozenset(i for i, t in enumerate(self.layer_types) if t == SLIDING)
         return SlidingWindow(self.sliding_window, layers) if layers else None
 
+    def is_moe(self, layer: int) -> bool:
+        """Whether ``layer``'s MLP is a mixture of experts."""
+        return (self.num_experts > 0 and layer not in self.dense_layers
+                and (layer + 1) % self.moe_every == 0)
+
     def is_local(self, layer: int) -> bool:
         """Whether ``layer`` is a sliding layer with its own RoPE base."""
         window = self.window
@@ -121,10 +136,12 @@ class ModelConfig:
         attn = d * h * hd + 2 * d * kv * hd + h * hd * d
         if self.qkv_bias:
             attn += h * hd + 2 * kv * hd
-        mlp = 3 * d * self.intermediate_size
+        dense = 3 * d * self.intermediate_size
+        experts = self.num_experts * (3 * d * self.expert_intermediate_size + d)
+        mlps = sum(experts if self.is_moe(i) else dense for i in range(self.num_layers))
         norms = (4 if self.sandwich_norms else 2) * d + (2 * hd if self.qk_norm else 0)
         embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * (attn + mlp + norms) + embed + d
+        return self.num_layers * (attn + norms) + mlps + embed + d
 
     def replace(self, **changes: Any) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
@@ -170,8 +187,9 @@ class ModelConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=family == "qwen2" or bool(hf.get("attention_bias", False)),
             o_bias=family == "llama" and bool(hf.get("attention_bias", False)),
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "qwen3_moe"),
             sliding_window=sliding,
+            **(_moe_settings(hf) if family == "qwen3_moe" else {}),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
@@ -229,6 +247,16 @@ def _gemma3_config(cls, hf: dict[str, Any], name: str) -> "ModelConfig":
     )
 
 
+def _moe_settings(hf: dict[str, Any]) -> dict[str, Any]:
+    # transformers 5 writes num_local_experts; the published configs, num_experts.
+    experts = hf.get("num_experts") or hf["num_local_experts"]
+    return dict(num_experts=experts, experts_per_token=hf["num_experts_per_tok"],
+                expert_intermediate_size=hf["moe_intermediate_size"],
+                normalize_routing=bool(hf.get("norm_topk_prob", False)),
+                moe_every=hf.get("decoder_sparse_step", 1) or 1,
+                dense_layers=tuple(hf.get("mlp_only_layers") or ()))
+
+
 def _hf_activation(name: str, model: str) -> str:
     known = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh", "silu": "silu"}
     if name not in known:
@@ -268,6 +296,13 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128, rms_norm_eps=1e-6,
         rope_theta=1e6, qkv_bias=True, bos_token_id=151643, eos_token_ids=[151645],
         max_position_embeddings=131072,
+    ),
+    "qwen3-30b-a3b": dict(
+        family="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+        num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128, rms_norm_eps=1e-6,
+        rope_theta=1e6, qk_norm=True, num_experts=128, experts_per_token=8,
+        expert_intermediate_size=768, normalize_routing=True, bos_token_id=151643,
+        eos_token_ids=[151645], max_position_embeddings=131072,
     ),
     # Not a real model: a few-layer shape with a byte vocabulary, for smoke tests and CI.
     "tiny": dict(

@@ -1,4 +1,5 @@
-"""The decoder-only transformer (Llama, Mistral, Qwen2, Qwen3, Gemma3's text model).
+"""The decoder-only transformer (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Gemma3's text
+model).
 
 One forward for every mode: ``forward(tokens, positions, cache, meta)`` writes the new
 tokens' K/V into the cache at their positions and attends as ``meta`` says. Parameter
@@ -91,18 +92,28 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def packed_projections(config: ModelConfig) -> dict[str, tuple[str, int, int]]:
-    """Checkpoint module name -> (packed module, first row, end row) within a layer."""
+def packed_projections(config: ModelConfig, layer: int) -> dict[str, tuple[str, tuple]]:
+    """Checkpoint parameter name (less ``.weight``/``.bias``) within ``layer`` ->
+    (packed parameter, the index of its block there): q/k/v and gate/up are packed
+    row-wise, and a mixture's experts into one tensor each, expert first."""
     q = config.num_heads * config.head_dim
     kv = config.num_kv_heads * config.head_dim
-    f = config.intermediate_size
-    return {
-        "self_attn.q_proj": ("self_attn.qkv_proj", 0, q),
-        "self_attn.k_proj": ("self_attn.qkv_proj", q, q + kv),
-        "self_attn.v_proj": ("self_attn.qkv_proj", q + kv, q + 2 * kv),
-        "mlp.gate_proj": ("mlp.gate_up_proj", 0, f),
-        "mlp.up_proj": ("mlp.gate_up_proj", f, 2 * f),
+    packed = {
+        "self_attn.q_proj": ("self_attn.qkv_proj", (slice(0, q),)),
+        "self_attn.k_proj": ("self_attn.qkv_proj", (slice(q, q + kv),)),
+        "self_attn.v_proj": ("self_attn.qkv_proj", (slice(q + kv, q + 2 * kv),)),
     }
+    if config.is_moe(layer):
+        f = config.expert_intermediate_size
+        for e in range(config.num_experts):
+            packed[f"mlp.experts.{e}.gate_proj"] = ("mlp.experts_gate_up", (e, slice(0, f)))
+            packed[f"mlp.experts.{e}.up_proj"] = ("mlp.experts_gate_up", (e, slice(f, 2 * f)))
+            packed[f"mlp.experts.{e}.down_proj"] = ("mlp.experts_down", (e,))
+    else:
+        f = config.intermediate_size
+        packed["mlp.gate_proj"] = ("mlp.gate_up_proj", (slice(0, f),))
+        packed["mlp.up_proj"] = ("mlp.gate_up_proj", (slice(f, 2 * f),))
+    return packed
 
 
 class Attention(nn.Module):
@@ -172,6 +183,36 @@ class MLP(nn.Module):
         return self.down_proj(act * up)
 
 
+class MixtureOfExperts(nn.Module):
+    """Each token's MLP: its router's top experts (SwiGLU each), weighted by their
+    routing probabilities. Only the experts some token of the batch routes to are run,
+    each once over the tokens routed to it."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        d, f, e = config.hidden_size, config.expert_intermediate_size, config.num_experts
+        self.top_k, self.normalize = config.experts_per_token, config.normalize_routing
+        self.gate = nn.Linear(d, e, bias=False)  # the router
+        self.experts_gate_up = nn.Parameter(torch.empty(e, 2 * f, d))  # [E, 2F, D]
+        self.experts_down = nn.Parameter(torch.empty(e, d, f))  # [E, D, F]
+
+    def forward(self, x: torch.Tensor, *, fused: bool = False) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])  # [N, D]
+        probs = torch.softmax(self.gate(x).float(), dim=-1)  # [N, E]
+        weights, chosen = probs.topk(self.top_k, dim=-1)  # [N, K]
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        out = torch.zeros_like(x)
+        for expert in chosen.unique().tolist():
+            token, slot = (chosen == expert).nonzero(as_tuple=True)
+            gate, up = F.linear(x[token], self.experts_gate_up[expert]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.experts_down[expert])
+            out.index_add_(0, token, y * weights[token, slot, None])
+        return out.reshape(shape)
+
+
 class Block(nn.Module):
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -186,7 +227,7 @@ class Block(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(d, eps)
             self.post_feedforward_layernorm = RMSNorm(d, eps)
         self.sandwich = config.sandwich_norms
-        self.mlp = MLP(config)
+        self.mlp = MixtureOfExperts(config) if config.is_moe(layer) else MLP(config)
 
     def forward(self, x, residual: torch.Tensor | None, rope: Rope, cache: KVCache,
                 meta: AttentionMeta) -> tuple[torch.Tensor, torch.Tensor]:

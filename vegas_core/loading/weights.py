@@ -47,22 +47,24 @@ def build_with_weights(
     """
     net = _empty_transformer(config, device, dtype, staging=True)
     params = dict(net.named_parameters(remove_duplicate=False))
-    # Expected names: the model's own, with packed projections split back into the
-    # checkpoint's pieces, each a block of rows of its packed parameter.
-    packed = packed_projections(config)
-    wholes = {whole for whole, _, _ in packed.values()}
-    targets: dict[str, tuple[str, slice]] = {}
-    for pname, p in params.items():
-        parts = pname.split(".")  # layers.<i>.<block>.<module>.<weight|bias>
-        if parts[0] == "layers" and ".".join(parts[2:-1]) in wholes:
-            continue
-        targets[pname] = (pname, slice(0, p.shape[0]))
+    # Expected names: the model's own, with packed parameters split back into the
+    # checkpoint's pieces, each a block of its packed parameter.
+    targets: dict[str, tuple[str, tuple]] = {}
+    wholes: set[str] = set()
     for i in range(config.num_layers):
-        for piece, (whole, start, end) in packed.items():
-            for suffix in ("weight", "bias"):
-                pname = f"layers.{i}.{whole}.{suffix}"
+        for piece, (whole, index) in packed_projections(config, i).items():
+            if f"layers.{i}.{whole}" in params:  # a bare tensor (experts): weights only
+                pairs = [(f"{piece}.weight", whole)]
+            else:  # a packed Linear: its weight and bias, where it has one
+                pairs = [(f"{piece}.{s}", f"{whole}.{s}") for s in ("weight", "bias")]
+            for name, pname in pairs:
+                pname = f"layers.{i}.{pname}"
                 if pname in params:
-                    targets[f"layers.{i}.{piece}.{suffix}"] = (pname, slice(start, end))
+                    targets[f"layers.{i}.{name}"] = (pname, index)
+                    wholes.add(pname)
+    for pname in params:
+        if pname not in wholes:
+            targets[pname] = (pname, (slice(None),))
     filled: set[str] = set()
     for name, tensor in tensors:
         if name not in targets:
@@ -70,8 +72,8 @@ def build_with_weights(
                 f"{source}: unexpected weight '{name}'; this checkpoint's architecture "
                 f"variant is not supported"
             )
-        pname, rows = targets[name]
-        target = params[pname][rows]
+        pname, index = targets[name]
+        target = params[pname][index]
         if tuple(target.shape) != tuple(tensor.shape):
             raise VegasError(
                 f"{source}: weight '{name}' has shape {tuple(tensor.shape)}, the config "
