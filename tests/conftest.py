@@ -31,6 +31,13 @@ FAMILIES = {
     "qwen3_moe": ("Qwen3MoeConfig", dict(
         moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, mlp_only_layers=[1],
         norm_topk_prob=True)),
+    # Sliding (8) and full layers, attention sinks, YaRN, and a biased top-2-of-8 mixture
+    # with the clamped SwiGLU.
+    "gpt_oss": ("GptOssConfig", dict(
+        num_local_experts=8, num_experts_per_tok=2, sliding_window=8, rope_parameters={
+            "rope_type": "yarn", "factor": 16.0, "beta_fast": 32.0, "beta_slow": 1.0,
+            "truncate": False, "original_max_position_embeddings": 64,
+            "rope_theta": 150000.0})),
     # Local layers with an 8-token window around one global layer, two RoPE bases, and
     # a query scale other than head_dim ** -0.5.
     "gemma3": ("Gemma3TextConfig", dict(

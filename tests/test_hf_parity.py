@@ -82,7 +82,7 @@ def test_gemma3_layers_are_local_and_global():
 
 
 @pytest.mark.parametrize("drafter", DRAFTERS)
-@pytest.mark.parametrize("family", ["gemma3", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["gemma3", "qwen3_moe", "gpt_oss"])
 def test_hybrid_and_moe_speculative_greedy_equals_vanilla(tiny_hf, family, drafter):
     from vegas_core import SpecConfig
 
@@ -101,3 +101,17 @@ def test_qwen3_moe_routes_its_sparse_layers_only(tiny_hf):
     path, _ = tiny_hf("qwen3_moe")
     net = load_model(str(path), device="cpu", dtype="float32").net
     assert [type(b.mlp) for b in net.layers] == [MixtureOfExperts, MLP, MixtureOfExperts]
+
+
+def test_gpt_oss_sinks_take_probability_mass():
+    """A sink as large as every slot's logit takes its share of the softmax: one slot
+    (logit 0) beside a sink of 0 gets half the weight, so the output halves."""
+    from vegas_core.attention import reference_attention
+
+    q = torch.zeros(1, 1, 2, 4)
+    k = torch.zeros(1, 1, 1, 4)
+    v = torch.ones(1, 1, 1, 4)
+    mask = torch.ones(1, 1, 1, 1, 1, dtype=torch.bool)
+    out = reference_attention(q, k, v, mask, sinks=torch.tensor([0.0, float("-inf")]))
+    assert torch.allclose(out[0, 0, 0], torch.full((4,), 0.5))
+    assert torch.allclose(out[0, 0, 1], torch.ones(4))  # a sink of -inf changes nothing

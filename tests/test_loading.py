@@ -12,7 +12,8 @@ from vegas_core.model import Transformer
 
 # Published parameter counts (model cards), to the precision the cards give.
 PUBLISHED_PARAMS = {"qwen3-8b": 8.19e9, "qwen3-4b": 4.02e9, "llama-3.1-8b": 8.03e9,
-                    "qwen2.5-7b": 7.62e9, "smollm2-135m": 0.135e9, "qwen3-30b-a3b": 30.5e9}
+                    "qwen2.5-7b": 7.62e9, "smollm2-135m": 0.135e9, "qwen3-30b-a3b": 30.5e9,
+                    "gpt-oss-20b": 20.9e9}
 
 
 @pytest.mark.parametrize("preset", sorted(set(PRESETS) - {"tiny"}))
@@ -43,7 +44,12 @@ def test_transformers5_and_legacy_rope_fields_parse_the_same():
 
 
 def test_unsupported_rope_scaling_is_refused():
-    with pytest.raises(VegasError, match="yarn"):
+    with pytest.raises(VegasError, match="longrope"):
+        ModelConfig.from_hf(dict(model_type="qwen3", vocab_size=10, hidden_size=8,
+                                 intermediate_size=16, num_hidden_layers=1,
+                                 num_attention_heads=2,
+                                 rope_scaling=dict(rope_type="longrope", factor=4.0)), "q")
+    with pytest.raises(VegasError, match="YaRN needs original_max_position_embeddings"):
         ModelConfig.from_hf(dict(model_type="qwen3", vocab_size=10, hidden_size=8,
                                  intermediate_size=16, num_hidden_layers=1,
                                  num_attention_heads=2,

@@ -235,12 +235,15 @@ class AttentionMeta:
 def reference_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
     on_scores: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Masked GQA attention in plain PyTorch, softmax in float32 (or float64).
 
     q: [B, T, H, D]; k, v: [B, H_kv, S, D]; mask: [B, G, 1, T, S] with G in {1, H_kv}.
     Returns [B, T, H, D]. ``on_scores(scores, probs, mask)`` receives the float32 scores
-    and probabilities, [B, H_kv, group, T, S].
+    and probabilities, [B, H_kv, group, T, S]. ``sinks`` [H]: a logit per head that joins
+    each row's softmax as one more slot with no value (gpt-oss); the probabilities
+    handed on exclude it.
     """
     b, t, h, d = q.shape
     h_kv = k.shape[1]
@@ -249,7 +252,12 @@ def reference_attention(
     acc = torch.promote_types(q.dtype, torch.float32)
     scores = torch.einsum("bkgtd,bksd->bkgts", q, k).to(acc) * (1.0 / math.sqrt(d))
     scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:
+        sink = sinks.to(acc).view(1, h_kv, h // h_kv, 1, 1)  # [1, H_kv, group, 1, 1]
+        total = torch.logaddexp(scores.logsumexp(dim=-1, keepdim=True), sink)
+        probs = torch.exp(scores - total)
     if on_scores is not None:
         on_scores(scores, probs, mask)
     out = torch.einsum("bkgts,bksd->bkgtd", probs.to(v.dtype), v)  # [B, H_kv, group, T, D]
@@ -307,8 +315,9 @@ def kernels_serve(q: torch.Tensor, rows: int, sliding_window: SlidingWindow | No
 def kernels_serve_model(config, device: torch.device, rows: int) -> bool:
     """``kernels_serve`` for forwards of ``rows`` rows of a model with this config (the
     condition for static, graph-captured steps)."""
-    if config.num_experts:
-        return False  # expert routing waits on the host: not capturable yet
+    if config.num_experts or config.attention_sinks:
+        # Expert routing waits on the host, and no kernel takes sinks: not capturable yet.
+        return False
     probe = torch.empty(0, config.num_heads, config.head_dim, device=device)
     return kernels_serve(probe, rows, config.window)
 
@@ -341,13 +350,16 @@ def _kernel_attention(q, k, v, layer: int, meta: AttentionMeta) -> torch.Tensor 
     return None
 
 
-def attend(q: torch.Tensor, cache: KVCache, layer: int, meta: AttentionMeta) -> torch.Tensor:
+def attend(q: torch.Tensor, cache: KVCache, layer: int, meta: AttentionMeta,
+           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of q ([B, T, H, D]) over ``layer``'s cache as ``meta`` allows: fused
     SDPA for prefill chunks; the Triton kernels for decode and verify rows (selection
     scores fused or deferred, see ``ScoreCollector``) and index-list drafts when enabled;
     else the reference (query-dependent selections, collectors of the peer drafters,
-    sliding windows)."""
+    sliding windows, attention ``sinks`` [H])."""
     k, v = cache.layer(layer, meta.kv_len)
+    if sinks is not None:  # no kernel takes sinks yet
+        return _reference(q, k, v, layer, meta, sinks)
     if (meta.block_start is not None and meta.window_of(layer) is None
             and meta.collector is None and prefill_kernels_enabled()):
         # Every prefill chunk, short ones too: no Triton kernel compiled per chunk shape.
@@ -357,6 +369,10 @@ def attend(q: torch.Tensor, cache: KVCache, layer: int, meta: AttentionMeta) -> 
     out = _kernel_attention(q, k, v, layer, meta)
     if out is not None:
         return out
+    return _reference(q, k, v, layer, meta)
+
+
+def _reference(q, k, v, layer: int, meta: AttentionMeta, sinks=None) -> torch.Tensor:
     if q.is_cuda and torch.cuda.is_current_stream_capturing():
         # The reference would run over the whole static cache on every replay.
         raise RuntimeError(f"{meta.mode} attention at layer {layer} is not served by the "
@@ -365,4 +381,4 @@ def attend(q: torch.Tensor, cache: KVCache, layer: int, meta: AttentionMeta) -> 
     on_scores = None
     if collector is not None:
         on_scores = lambda scores, probs, mask: collector.add(layer, scores, probs, mask)  # noqa: E731
-    return reference_attention(q, k, v, meta.mask(layer, q, k), on_scores)
+    return reference_attention(q, k, v, meta.mask(layer, q, k), on_scores, sinks)

@@ -16,7 +16,7 @@ from vegas_core.errors import VegasError
 
 # Hugging Face model_type -> our family. Mistral is a Llama with an optional sliding window.
 HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-                  "qwen3_moe": "qwen3_moe", "gemma3_text": "gemma3"}
+                  "qwen3_moe": "qwen3_moe", "gemma3_text": "gemma3", "gpt_oss": "gpt_oss"}
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 # Hugging Face layer_types values.
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -33,13 +33,17 @@ class SlidingWindow:
     def applies(self, layer: int) -> bool:
         return self.layers is None or layer in self.layers
 # "freq_factors": per-frequency divisors stored in a GGUF file (rope_freqs.weight).
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "freq_factors")
+# How a mixture's router turns logits into expert weights: a softmax over every expert,
+# then the top k (Qwen3-MoE), or the top k logits, then a softmax over them (gpt-oss).
+ROUTINGS = ("softmax_top_k", "top_k_softmax")
+EXPERT_ACTIVATIONS = ("silu", "clamped_swiglu")
 
 
 @dataclass
 class ModelConfig:
     name: str
-    family: str  # "llama" | "qwen2" | "qwen3" | "qwen3_moe" | "gemma3"
+    family: str  # "llama" | "qwen2" | "qwen3" | "qwen3_moe" | "gemma3" | "gpt_oss"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -80,6 +84,17 @@ class ModelConfig:
     normalize_routing: bool = False
     moe_every: int = 1
     dense_layers: tuple[int, ...] = ()
+    # gpt-oss: biased router and experts, top-k before the softmax, and its clamped
+    # SwiGLU: (clamp(up) + 1) * g * sigmoid(alpha * g), g = gate clamped above.
+    routing: str = "softmax_top_k"
+    router_bias: bool = False
+    expert_bias: bool = False
+    expert_activation: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    # gpt-oss: a learned logit per query head that joins every softmax of attention
+    # (its probability mass is dropped: the head may attend to nothing).
+    attention_sinks: bool = False
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
 
@@ -89,6 +104,9 @@ class ModelConfig:
                 f"model config: num_heads {self.num_heads} is not a multiple of "
                 f"num_kv_heads {self.num_kv_heads}; the config is inconsistent"
             )
+        if self.routing not in ROUTINGS or self.expert_activation not in EXPERT_ACTIVATIONS:
+            raise VegasError(f"model config: routing must be one of {', '.join(ROUTINGS)} "
+                             f"and expert_activation one of {', '.join(EXPERT_ACTIVATIONS)}")
         if self.mlp_activation not in MLP_ACTIVATIONS:
             raise VegasError(f"MLP activation '{self.mlp_activation}' is not supported "
                              f"(supported: {', '.join(MLP_ACTIVATIONS)})")
@@ -103,6 +121,11 @@ class ModelConfig:
                 f"RoPE scaling '{rope_type}' is not supported (supported: "
                 f"{', '.join(SUPPORTED_ROPE_TYPES)}); use a model without it"
             )
+        missing = [k for k in ("factor", "original_max_position_embeddings")
+                   if rope_type == "yarn" and k not in self.rope_scaling]
+        if missing:
+            raise VegasError(f"model config: YaRN needs {' and '.join(missing)} in its RoPE "
+                             "scaling; the config is incomplete")
 
     @property
     def window(self) -> SlidingWindow | None:
@@ -136,8 +159,15 @@ class ModelConfig:
         attn = d * h * hd + 2 * d * kv * hd + h * hd * d
         if self.qkv_bias:
             attn += h * hd + 2 * kv * hd
+        if self.o_bias:
+            attn += d
+        if self.attention_sinks:
+            attn += h
         dense = 3 * d * self.intermediate_size
-        experts = self.num_experts * (3 * d * self.expert_intermediate_size + d)
+        f = self.expert_intermediate_size
+        experts = self.num_experts * (3 * d * f + d + ((2 * f + d) if self.expert_bias else 0))
+        if self.router_bias:
+            experts += self.num_experts
         mlps = sum(experts if self.is_moe(i) else dense for i in range(self.num_layers))
         norms = (4 if self.sandwich_norms else 2) * d + (2 * hd if self.qk_norm else 0)
         embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
@@ -160,6 +190,8 @@ class ModelConfig:
         heads = hf["num_attention_heads"]
         if family == "gemma3":
             return _gemma3_config(cls, hf, name)
+        if family == "gpt_oss":
+            return _gpt_oss_config(cls, hf, name)
         # transformers 5 stores RoPE settings in rope_parameters; older configs use
         # rope_theta + rope_scaling.
         theta, rope_scaling = _rope_settings(
@@ -247,11 +279,40 @@ def _gemma3_config(cls, hf: dict[str, Any], name: str) -> "ModelConfig":
     )
 
 
+def _gpt_oss_config(cls, hf: dict[str, Any], name: str) -> "ModelConfig":
+    """gpt-oss: alternating sliding and full layers, attention sinks, YaRN RoPE, and its
+    mixture (biased router and experts, top-k then softmax, clamped SwiGLU)."""
+    heads = hf["num_attention_heads"]
+    theta, scaling = _rope_settings(hf.get("rope_parameters") or hf.get("rope_scaling") or {},
+                                    hf.get("rope_theta", 150000.0))
+    eos = hf.get("eos_token_id")
+    layers = hf["num_hidden_layers"]
+    return cls(
+        name=name, family="gpt_oss", vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"], intermediate_size=hf["intermediate_size"],
+        num_layers=layers, num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        max_position_embeddings=hf.get("max_position_embeddings", 131072),
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-5), rope_theta=theta, rope_scaling=scaling,
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qkv_bias=bool(hf.get("attention_bias", True)), o_bias=bool(hf.get("attention_bias", True)),
+        sliding_window=hf.get("sliding_window"),
+        layer_types=list(hf.get("layer_types") or
+                         [SLIDING if i % 2 == 0 else FULL for i in range(layers)]),
+        **_moe_settings(hf), routing="top_k_softmax", router_bias=True, expert_bias=True,
+        expert_activation="clamped_swiglu", swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
+        swiglu_limit=float(hf.get("swiglu_limit", 7.0)), attention_sinks=True,
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+    )
+
+
 def _moe_settings(hf: dict[str, Any]) -> dict[str, Any]:
     # transformers 5 writes num_local_experts; the published configs, num_experts.
     experts = hf.get("num_experts") or hf["num_local_experts"]
     return dict(num_experts=experts, experts_per_token=hf["num_experts_per_tok"],
-                expert_intermediate_size=hf["moe_intermediate_size"],
+                # gpt-oss names its experts' width intermediate_size
+                expert_intermediate_size=hf.get("moe_intermediate_size") or hf["intermediate_size"],
                 normalize_routing=bool(hf.get("norm_topk_prob", False)),
                 moe_every=hf.get("decoder_sparse_step", 1) or 1,
                 dense_layers=tuple(hf.get("mlp_only_layers") or ()))
@@ -296,6 +357,20 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128, rms_norm_eps=1e-6,
         rope_theta=1e6, qkv_bias=True, bos_token_id=151643, eos_token_ids=[151645],
         max_position_embeddings=131072,
+    ),
+    "gpt-oss-20b": dict(
+        family="gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880,
+        num_layers=24, num_heads=64, num_kv_heads=8, head_dim=64, rms_norm_eps=1e-5,
+        rope_theta=150000.0, rope_scaling=dict(rope_type="yarn", factor=32.0, beta_fast=32.0,
+                                               beta_slow=1.0, truncate=False,
+                                               original_max_position_embeddings=4096),
+        qkv_bias=True, o_bias=True, sliding_window=128,
+        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention"
+                     for i in range(24)],
+        num_experts=32, experts_per_token=4, expert_intermediate_size=2880,
+        routing="top_k_softmax", router_bias=True, expert_bias=True,
+        expert_activation="clamped_swiglu", attention_sinks=True, bos_token_id=199998,
+        eos_token_ids=[200002, 199999], max_position_embeddings=131072,
     ),
     "qwen3-30b-a3b": dict(
         family="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,

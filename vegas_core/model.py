@@ -84,7 +84,37 @@ def rope_inverse_frequencies(config: ModelConfig, *, local: bool = False) -> tor
         inv_freq = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
         between = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
         inv_freq = torch.where(between, ramped, inv_freq)
+    elif kind == "yarn":
+        inv_freq = _yarn_frequencies(inv_freq, theta, d, scaling)
     return inv_freq
+
+
+def _yarn_frequencies(inv_freq: torch.Tensor, theta: float, d: int, s: dict) -> torch.Tensor:
+    """YaRN (Peng et al. 2023): frequencies that turn fewer than ``beta_slow`` times over
+    the original context are divided by ``factor``, those that turn more than
+    ``beta_fast`` times are kept, with a linear ramp between."""
+    old_ctx = s["original_max_position_embeddings"]
+
+    def dimension(rotations: float) -> float:  # the dim index that turns that often
+        return d * math.log(old_ctx / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dimension(s.get("beta_fast") or 32), dimension(s.get("beta_slow") or 1)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
+    return inv_freq / s["factor"] * ramp + inv_freq * (1 - ramp)
+
+
+def rope_attention_factor(config: ModelConfig) -> float:
+    """YaRN's scale of cos and sin (so of q and k each): 0.1 ln(factor) + 1 unless the
+    config gives ``attention_factor``; 1 for other RoPE types."""
+    s = config.rope_scaling or {}
+    if s.get("rope_type") != "yarn":
+        return 1.0
+    if s.get("attention_factor") is not None:
+        return float(s["attention_factor"])
+    return 0.1 * math.log(s["factor"]) + 1.0 if s["factor"] > 1 else 1.0
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -134,9 +164,13 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         # Attention divides by sqrt(head_dim); a model scaled by another constant
-        # (Gemma3's query_pre_attn_scalar) has its queries rescaled to match.
+        # (Gemma3's query_pre_attn_scalar) has its queries rescaled to match, and YaRN's
+        # scale of q and k both is put on q alone (the cache keeps plain keys).
         scalar = config.query_pre_attn_scalar
         self.query_scale = 1.0 if scalar is None else math.sqrt(hd / scalar)
+        if not config.is_local(layer):
+            self.query_scale *= rope_attention_factor(config) ** 2
+        self.sinks = nn.Parameter(torch.empty(config.num_heads)) if config.attention_sinks else None
 
     def forward(self, x, rope: Rope, cache: KVCache, meta: AttentionMeta) -> torch.Tensor:
         b, t, _ = x.shape
@@ -160,7 +194,7 @@ class Attention(nn.Module):
             cache.write(self.layer, meta.positions, k, v)
         if self.query_scale != 1.0:
             q = q * self.query_scale
-        out = attend(q, cache, self.layer, meta)  # [B, T, H, D]
+        out = attend(q, cache, self.layer, meta, self.sinks)  # [B, T, H, D]
         return self.o_proj(out.reshape(b, t, -1))
 
 
@@ -191,25 +225,49 @@ class MixtureOfExperts(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         d, f, e = config.hidden_size, config.expert_intermediate_size, config.num_experts
-        self.top_k, self.normalize = config.experts_per_token, config.normalize_routing
-        self.gate = nn.Linear(d, e, bias=False)  # the router
+        self.config = config
+        self.gate = nn.Linear(d, e, bias=config.router_bias)  # the router
         self.experts_gate_up = nn.Parameter(torch.empty(e, 2 * f, d))  # [E, 2F, D]
         self.experts_down = nn.Parameter(torch.empty(e, d, f))  # [E, D, F]
+        if config.expert_bias:
+            self.experts_gate_up_bias = nn.Parameter(torch.empty(e, 2 * f))
+            self.experts_down_bias = nn.Parameter(torch.empty(e, d))
+        else:
+            self.experts_gate_up_bias = self.experts_down_bias = None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, D] -> (weights [N, K] in x's dtype, expert ids [N, K])."""
+        c = self.config
+        logits = self.gate(x)  # [N, E]
+        if c.routing == "top_k_softmax":
+            top, chosen = logits.topk(c.experts_per_token, dim=-1)
+            return torch.softmax(top, dim=-1), chosen
+        weights, chosen = torch.softmax(logits.float(), dim=-1).topk(c.experts_per_token, dim=-1)
+        if c.normalize_routing:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), chosen
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert ``e`` on x [n, D]."""
+        c = self.config
+        bias = lambda b: None if b is None else b[e]  # noqa: E731
+        gate, up = F.linear(x, self.experts_gate_up[e], bias(self.experts_gate_up_bias)).chunk(2, -1)
+        if c.expert_activation == "clamped_swiglu":
+            gate = gate.clamp(max=c.swiglu_limit)
+            up = up.clamp(-c.swiglu_limit, c.swiglu_limit)
+            hidden = (up + 1) * gate * torch.sigmoid(gate * c.swiglu_alpha)
+        else:
+            hidden = F.silu(gate) * up
+        return F.linear(hidden, self.experts_down[e], bias(self.experts_down_bias))
 
     def forward(self, x: torch.Tensor, *, fused: bool = False) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # [N, D]
-        probs = torch.softmax(self.gate(x).float(), dim=-1)  # [N, E]
-        weights, chosen = probs.topk(self.top_k, dim=-1)  # [N, K]
-        if self.normalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        weights = weights.to(x.dtype)
+        weights, chosen = self.route(x)  # [N, K]
         out = torch.zeros_like(x)
-        for expert in chosen.unique().tolist():
-            token, slot = (chosen == expert).nonzero(as_tuple=True)
-            gate, up = F.linear(x[token], self.experts_gate_up[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.experts_down[expert])
-            out.index_add_(0, token, y * weights[token, slot, None])
+        for e in chosen.unique().tolist():
+            token, slot = (chosen == e).nonzero(as_tuple=True)
+            out.index_add_(0, token, self.expert(e, x[token]) * weights[token, slot, None])
         return out.reshape(shape)
 
 

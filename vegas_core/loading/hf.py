@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -70,6 +71,8 @@ def load_hf_dir(path: Path, *, device: torch.device, dtype: torch.dtype):
     tensors = _hf_tensors(path)
     if config.family == "gemma3":
         tensors = _unit_offset_norms(tensors)
+    elif config.family == "gpt_oss":
+        tensors = _per_expert(tensors)
     net = build_with_weights(config, tensors, device=device, dtype=dtype, source=str(path))
     return config, net, _hf_tokenizer(path, config)
 
@@ -80,6 +83,37 @@ def _unit_offset_norms(tensors: Iterator[tuple[str, torch.Tensor]]
     RMSNorm multiplies by its weight, so it is given 1 + w (GGUF files store it so)."""
     for name, tensor in tensors:
         yield name, (tensor.float() + 1.0 if name.endswith("norm.weight") else tensor)
+
+
+_GPT_OSS_FUSED = re.compile(r"(layers\.\d+\.mlp)\.experts\.(gate_up_proj|down_proj)(_bias)?")
+
+
+def _per_expert(tensors: Iterator[tuple[str, torch.Tensor]]
+                ) -> Iterator[tuple[str, torch.Tensor]]:
+    """gpt-oss checkpoints hold each layer's experts in fused tensors, input dimension
+    first, with gate and up interleaved column by column: gate_up_proj [E, D, 2F] and
+    its bias [E, 2F], down_proj [E, F, D] and its bias [E, D]. Split them into the
+    per-expert Linear weights other MoE checkpoints store; the router is ``gate``."""
+    for name, t in tensors:
+        if ".mlp.router." in name:
+            yield name.replace(".mlp.router.", ".mlp.gate."), t
+            continue
+        m = _GPT_OSS_FUSED.fullmatch(name)
+        if m is None:
+            if name.endswith(("_blocks", "_scales")):
+                raise VegasError(f"'{name}': MXFP4-quantized experts are not supported; use "
+                                 "a checkpoint with bf16 or fp32 experts")
+            yield name, t
+            continue
+        mlp, which, bias = m.group(1), m.group(2), m.group(3) or ""
+        suffix = "bias" if bias else "weight"
+        for e in range(t.shape[0]):
+            if which == "down_proj":
+                yield f"{mlp}.experts.{e}.down_proj.{suffix}", t[e] if bias else t[e].T
+                continue
+            gate, up = (t[e, 0::2], t[e, 1::2]) if bias else (t[e][:, 0::2].T, t[e][:, 1::2].T)
+            yield f"{mlp}.experts.{e}.gate_proj.{suffix}", gate
+            yield f"{mlp}.experts.{e}.up_proj.{suffix}", up
 
 
 def _hf_tokenizer(path: Path, config: ModelConfig):

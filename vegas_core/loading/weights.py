@@ -53,8 +53,8 @@ def build_with_weights(
     wholes: set[str] = set()
     for i in range(config.num_layers):
         for piece, (whole, index) in packed_projections(config, i).items():
-            if f"layers.{i}.{whole}" in params:  # a bare tensor (experts): weights only
-                pairs = [(f"{piece}.weight", whole)]
+            if f"layers.{i}.{whole}" in params:  # bare tensors (experts): weight, bias
+                pairs = [(f"{piece}.weight", whole), (f"{piece}.bias", f"{whole}_bias")]
             else:  # a packed Linear: its weight and bias, where it has one
                 pairs = [(f"{piece}.{s}", f"{whole}.{s}") for s in ("weight", "bias")]
             for name, pname in pairs:
