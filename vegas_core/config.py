@@ -187,7 +187,6 @@ class ModelConfig:
                 f"model types: {', '.join(sorted(HF_MODEL_TYPES))}"
             )
         family = HF_MODEL_TYPES[model_type]
-        heads = hf["num_attention_heads"]
         if family == "gemma3":
             return _gemma3_config(cls, hf, name)
         if family == "gpt_oss":
@@ -200,18 +199,10 @@ class ModelConfig:
         sliding = hf.get("sliding_window")
         if family != "llama" and not hf.get("use_sliding_window", False):
             sliding = None
-        eos = hf.get("eos_token_id")
-        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         return cls(
             name=name,
             family=family,
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
-            num_layers=hf["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            **_hf_shape(hf),
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope_theta=theta,
@@ -222,9 +213,19 @@ class ModelConfig:
             qk_norm=family in ("qwen3", "qwen3_moe"),
             sliding_window=sliding,
             **(_moe_settings(hf) if family == "qwen3_moe" else {}),
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=eos_ids,
         )
+
+
+def _hf_shape(hf: dict[str, Any]) -> dict[str, Any]:
+    """The fields every config.json gives alike: sizes, heads and special tokens."""
+    heads = hf["num_attention_heads"]
+    eos = hf.get("eos_token_id")
+    return dict(vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+                intermediate_size=hf["intermediate_size"], num_layers=hf["num_hidden_layers"],
+                num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
+                head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+                bos_token_id=hf.get("bos_token_id"),
+                eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)))
 
 
 def _rope_settings(rope: dict[str, Any], default_theta: float) -> tuple[float, dict | None]:
@@ -243,7 +244,6 @@ def _gemma3_config(cls, hf: dict[str, Any], name: str) -> "ModelConfig":
                              "logits are not supported")
     if hf.get("use_bidirectional_attention"):
         raise VegasError(f"{name}: bidirectional attention (an encoder) is not supported")
-    heads = hf["num_attention_heads"]
     layers = hf["num_hidden_layers"]
     types = hf.get("layer_types")
     if types is None:  # older configs: every sliding_window_pattern-th layer is global
@@ -258,12 +258,8 @@ def _gemma3_config(cls, hf: dict[str, Any], name: str) -> "ModelConfig":
     else:
         theta, scaling = _rope_settings(hf.get("rope_scaling") or {}, hf.get("rope_theta", 1e6))
         local_theta = float(hf.get("rope_local_base_freq", 1e4))
-    eos = hf.get("eos_token_id")
     return cls(
-        name=name, family="gemma3", vocab_size=hf["vocab_size"],
-        hidden_size=hf["hidden_size"], intermediate_size=hf["intermediate_size"],
-        num_layers=layers, num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        name=name, family="gemma3", **_hf_shape(hf),
         max_position_embeddings=hf.get("max_position_embeddings", 32768),
         rms_norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
@@ -274,24 +270,17 @@ def _gemma3_config(cls, hf: dict[str, Any], name: str) -> "ModelConfig":
         mlp_activation=_hf_activation(hf.get("hidden_activation", "gelu_pytorch_tanh"), name),
         scale_embeddings=True, sandwich_norms=True,
         query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar") or hf.get("head_dim")),
-        bos_token_id=hf.get("bos_token_id"),
-        eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
     )
 
 
 def _gpt_oss_config(cls, hf: dict[str, Any], name: str) -> "ModelConfig":
     """gpt-oss: alternating sliding and full layers, attention sinks, YaRN RoPE, and its
     mixture (biased router and experts, top-k then softmax, clamped SwiGLU)."""
-    heads = hf["num_attention_heads"]
     theta, scaling = _rope_settings(hf.get("rope_parameters") or hf.get("rope_scaling") or {},
                                     hf.get("rope_theta", 150000.0))
-    eos = hf.get("eos_token_id")
     layers = hf["num_hidden_layers"]
     return cls(
-        name=name, family="gpt_oss", vocab_size=hf["vocab_size"],
-        hidden_size=hf["hidden_size"], intermediate_size=hf["intermediate_size"],
-        num_layers=layers, num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        name=name, family="gpt_oss", **_hf_shape(hf),
         max_position_embeddings=hf.get("max_position_embeddings", 131072),
         rms_norm_eps=hf.get("rms_norm_eps", 1e-5), rope_theta=theta, rope_scaling=scaling,
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
@@ -302,8 +291,6 @@ def _gpt_oss_config(cls, hf: dict[str, Any], name: str) -> "ModelConfig":
         **_moe_settings(hf), routing="top_k_softmax", router_bias=True, expert_bias=True,
         expert_activation="clamped_swiglu", swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
         swiglu_limit=float(hf.get("swiglu_limit", 7.0)), attention_sinks=True,
-        bos_token_id=hf.get("bos_token_id"),
-        eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
     )
 
 
