@@ -72,3 +72,22 @@ def test_sparse_selecting_everything_equals_full():
     q = torch.randn(B, 1, HKV * GROUP, D, dtype=torch.float64)
     torch.testing.assert_close(attend(q, cache, 0, AttentionMeta.draft(positions, S, sel)),
                                attend(q, cache, 0, AttentionMeta.full(positions, S)))
+
+
+def test_a_hybrid_models_sliding_layers_draft_their_whole_window():
+    """Selection applies to global layers; a sliding layer of a hybrid model reads its
+    window whatever was selected (here: one slot of 13)."""
+    from vegas_core.config import SlidingWindow
+
+    cache = filled_cache(1)
+    positions = torch.tensor([[15], [21]])
+    tail = torch.tensor([13, 18])
+    idx = torch.zeros(2, B, 1, 1, dtype=torch.long)
+    sel = SparseSelection(idx, torch.ones(2, B, dtype=torch.long), tail)
+    q = torch.randn(B, 1, HKV * GROUP, D, dtype=torch.float64)
+    window = SlidingWindow(4, frozenset({0}))
+    meta = AttentionMeta.draft(positions, S, sel, window)
+    in_window = lambda b, kv, t, s: positions[b, t] - 4 < s <= positions[b, t]  # noqa: E731
+    torch.testing.assert_close(attend(q, cache, 0, meta), brute_force(q, cache, 0, in_window))
+    selected = lambda b, kv, t, s: s <= positions[b, t] and (s == 0 or s >= tail[b])  # noqa: E731
+    torch.testing.assert_close(attend(q, cache, 1, meta), brute_force(q, cache, 1, selected))

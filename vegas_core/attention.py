@@ -206,6 +206,14 @@ class AttentionMeta:
         w = self.sliding_window
         return w.size if w is not None and w.applies(layer) else None
 
+    def drafts_whole_window(self, layer: int) -> bool:
+        """Whether a draft reads ``layer``'s whole window rather than a selection: the
+        sliding layers of a hybrid model (Gemma3, gpt-oss), whose windows are shorter
+        than a budget worth selecting. Where every layer slides (Mistral), the window
+        is the context, and drafts select within it."""
+        w = self.sliding_window
+        return w is not None and w.layers is not None and w.applies(layer)
+
     def causal_mask(self, layer: int = 0) -> torch.Tensor:
         """Boolean [B, T, S]: slot s is at or before the query's position (and inside
         the sliding window, where it limits ``layer``). Built once per forward and kind
@@ -223,7 +231,7 @@ class AttentionMeta:
     def mask(self, layer: int, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """Boolean [B, G, 1, T, S] for ``layer``; G is 1 or H_kv."""
         causal = self.causal_mask(layer)[:, None]  # [B, 1, T, S]
-        if self.sparse is None:
+        if self.sparse is None or self.drafts_whole_window(layer):
             return causal[:, :, None]
         selected = self.sparse.prefix_mask(layer, self.kv_len, q, k, self.positions)
         selected = selected[:, :, None, :]  # [B, G, 1, S]
