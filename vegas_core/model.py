@@ -1,5 +1,5 @@
-"""The decoder-only transformer (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Gemma3's text
-model).
+"""The decoder-only transformer (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, gpt-oss and
+Gemma3's text model).
 
 One forward for every mode: ``forward(tokens, positions, cache, meta)`` writes the new
 tokens' K/V into the cache at their positions and attends as ``meta`` says. Parameter
