@@ -178,7 +178,8 @@ class AttentionMeta:
             raise ValueError("draft attention needs a SparseSelection, other modes none")
 
     @classmethod
-    def full(cls, positions: torch.Tensor, kv_len: int, sliding_window: SlidingWindow | None = None):
+    def full(cls, positions: torch.Tensor, kv_len: int,
+             sliding_window: SlidingWindow | None = None):
         return cls("full", positions, kv_len, sliding_window)
 
     @classmethod
@@ -190,8 +191,8 @@ class AttentionMeta:
         return cls("full", positions, end, sliding_window, block_start=start)
 
     @classmethod
-    def verify(cls, positions: torch.Tensor, kv_len: int, sliding_window: SlidingWindow | None = None,
-               collector: ScoreCollector | None = None):
+    def verify(cls, positions: torch.Tensor, kv_len: int,
+               sliding_window: SlidingWindow | None = None, collector: ScoreCollector | None = None):
         """Full causal attention for a multi-row verify window; ``collector`` keeps the
         selection scores."""
         return cls("verify", positions, kv_len, sliding_window, collector=collector)

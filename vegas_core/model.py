@@ -251,7 +251,8 @@ class MixtureOfExperts(nn.Module):
         """Expert ``e`` on x [n, D]."""
         c = self.config
         bias = lambda b: None if b is None else b[e]  # noqa: E731
-        gate, up = F.linear(x, self.experts_gate_up[e], bias(self.experts_gate_up_bias)).chunk(2, -1)
+        gate_up = F.linear(x, self.experts_gate_up[e], bias(self.experts_gate_up_bias))
+        gate, up = gate_up.chunk(2, dim=-1)
         if c.expert_activation == "clamped_swiglu":
             gate = gate.clamp(max=c.swiglu_limit)
             up = up.clamp(-c.swiglu_limit, c.swiglu_limit)
