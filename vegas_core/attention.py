@@ -192,7 +192,8 @@ class AttentionMeta:
 
     @classmethod
     def verify(cls, positions: torch.Tensor, kv_len: int,
-               sliding_window: SlidingWindow | None = None, collector: ScoreCollector | None = None):
+               sliding_window: SlidingWindow | None = None,
+               collector: ScoreCollector | None = None):
         """Full causal attention for a multi-row verify window; ``collector`` keeps the
         selection scores."""
         return cls("verify", positions, kv_len, sliding_window, collector=collector)
