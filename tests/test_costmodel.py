@@ -8,6 +8,7 @@ import math
 import pytest
 
 from vegas_tune.costmodel import (ProbeRun, StepCosts, batch_acceptance, budget_share,
+                                  draft_read_share,
                                   expected_tokens, iteration_seconds,
                                   predict_tokens_per_second)
 
@@ -117,3 +118,15 @@ def test_budget_share_is_the_engines_budget_rule():
     assert budget_share(0.01, 256, 8000) == pytest.approx(256 / 8000)  # min_tokens
     assert budget_share(0.05, 256, 100) == 1.0  # capped at the prefix
     assert budget_share(0.013, 1, 1000) == pytest.approx(math.ceil(13.0) / 1000)
+
+
+def test_draft_read_share_budgets_full_attention_layers_only():
+    # Dense: the budget's share of the prefix.
+    assert draft_read_share(0.05, 256, 8000, [None] * 4) == pytest.approx(400 / 8000)
+    # Gemma3-like: 5 sliding layers (512) per global one. A draft reads 400 slots in the
+    # global layer and the whole window in the others, as vanilla does there.
+    windows = [512] * 5 + [None]
+    want = (400 + 5 * 512) / (8000 + 5 * 512)
+    assert draft_read_share(0.05, 256, 8000, windows) == pytest.approx(want)
+    # Every layer sliding (Mistral): drafts select as in a dense model.
+    assert draft_read_share(0.05, 16, 1000, [4096] * 2) == pytest.approx(50 / 1000)

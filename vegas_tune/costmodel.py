@@ -103,6 +103,23 @@ def budget_share(sparsity: float, min_tokens: int, prefix_len: int) -> float:
     return min(budget, prefix_len) / prefix_len
 
 
+def draft_read_share(sparsity: float, min_tokens: int, prefix_len: int,
+                     windows: list[int | None]) -> float:
+    """The share of a vanilla step's K/V reads that a draft step makes, for a model whose
+    layer i attends within ``windows[i]`` (None: the whole prefix). Budgets count in
+    full-attention layers only: a sliding layer reads its whole window in a draft as in
+    vanilla decoding (``AttentionMeta.drafts_whole_window``). A model with no sliding
+    layer, or only sliding ones (Mistral, whose drafts select within the window), reads
+    the budget's share of the prefix."""
+    hybrid = any(w is None for w in windows) and any(w is not None for w in windows)
+    if not hybrid:
+        return budget_share(sparsity, min_tokens, prefix_len)
+    full = [prefix_len for w in windows if w is None]
+    local = sum(min(w, prefix_len) for w in windows if w is not None)
+    budget = budget_share(sparsity, min_tokens, prefix_len) * prefix_len
+    return (len(full) * budget + local) / (sum(full) + local)
+
+
 def expected_tokens(acceptance_by_position: list[float], gamma: int) -> float:
     """Tokens per iteration per sequence at ``gamma``: the bonus token plus each draft
     position's acceptance rate."""

@@ -44,7 +44,7 @@ import torch
 
 from vegas_core import SpecConfig
 from vegas_core.errors import VegasError
-from vegas_tune.costmodel import (ProbeRun, StepCosts, batch_acceptance, budget_share,
+from vegas_tune.costmodel import (ProbeRun, StepCosts, batch_acceptance, draft_read_share,
                                   expected_tokens, predict_tokens_per_second)
 from vegas_tune.measure import Measurement, Measurer, interleave, ratio_estimate, series_attrs
 from vegas_tune.progress import ProgressCallback, ProgressEvent
@@ -515,10 +515,15 @@ class Tuner:
         return others[-1] if others else None
 
     def _share(self, sparsity: float, batch: int) -> float:
-        """The draft budget's share of the mean prefix of ``batch``'s workload."""
-        w = self.measurers[batch].workload
+        """The share of a vanilla step's K/V reads a draft step makes at the mean prefix
+        of ``batch``'s workload (the budget's share, in full-attention layers)."""
+        measurer = self.measurers[batch]
+        w, config = measurer.workload, measurer.model.config
         prefix = statistics.fmean(len(p.ids) for p in w.prompts) + w.max_new_tokens / 2
-        return budget_share(sparsity, self.options.min_tokens, max(1, round(prefix)))
+        windows = [config.window.size if config.window and config.window.applies(i) else None
+                   for i in range(config.num_layers)]
+        return draft_read_share(sparsity, self.options.min_tokens, max(1, round(prefix)),
+                                windows)
 
     def step_gamma(self, batch: int, costs: StepCosts) -> StepResult:
         import optuna
