@@ -598,7 +598,7 @@ class Tuner:
         if not study.get_trials(deepcopy=False):
             for params in _refine_starts(winner, reference, low, high)[:total]:
                 study.enqueue_trial(params)
-        known = [gamma_winner] if reference is not None and gamma_winner is not None else []
+        known = [gamma_winner] if self._keeps_gamma_winner(batch) and gamma_winner else []
 
         def incumbent() -> Estimate | None:
             measured = [e for e in map(_speedup_of, self._complete(study) + known) if e]
@@ -803,9 +803,14 @@ class Tuner:
         refine = self._existing("refine", batch)
         done = self._complete(refine) if refine else []
         winner = self._gamma_choice(batch)
-        if batch != self.sizes[-1] and winner is not None:
+        if self._keeps_gamma_winner(batch) and winner is not None:
             done = done + [winner]
         return _refine_choice(done)[0] if done else None
+
+    def _keeps_gamma_winner(self, batch: int) -> bool:
+        """Whether ``batch``'s choice weighs the gamma step's winner beside its refine
+        trials: below the largest size, where refine does not measure the winner again."""
+        return batch != self.sizes[-1]
 
     def _gamma_choice(self, batch: int):
         """The gamma step's chosen trial at ``batch``; None before it finished one."""
