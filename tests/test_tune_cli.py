@@ -158,12 +158,44 @@ def test_ctrl_c_exits_130_and_keeps_trials(tmp_path):
         time.sleep(0.2)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130
+    assert proc.returncode == 130, err
     assert "--resume" in err and "Traceback" not in err
     assert len(completed_trials(storage, "int:sparsity")) >= 1
     # The finished trials still make a profile, which says it was cut short.
     profile = yaml.safe_load((tmp_path / "p.yaml").read_text())
     assert any("Ctrl-C" in line for line in profile["cut_short"])
+
+
+def test_ctrl_c_while_a_finished_trial_is_being_written_stops_at_the_next_one(
+        tmp_path, monkeypatch, capsys):
+    """Ctrl-C landing inside optuna's write of a finished trial (the moment a watcher of
+    the storage sees it complete) waits for the write, then stops the next trial."""
+    from optuna.storages.journal import JournalStorage
+    from optuna.trial import TrialState
+
+    monkeypatch.setattr("vegas_tune.measure.Measurer.measure", noisy_measure(lambda s: 1.3))
+    write = JournalStorage.set_trial_state_values
+    interrupted = []
+
+    def interrupt_while_writing(self, trial_id, state, values=None):
+        if state == TrialState.COMPLETE and not interrupted:
+            interrupted.append(trial_id)
+            signal.raise_signal(signal.SIGINT)  # handled before the write below starts
+        return write(self, trial_id, state, values)
+
+    monkeypatch.setattr(JournalStorage, "set_trial_state_values", interrupt_while_writing)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        code, _, err = run([*FAST, "--out", str(tmp_path / "p.yaml"), "--storage",
+                            str(tmp_path / "s.journal"), "--study-name", "int"], capsys)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert code == 130, err
+    assert interrupted and "internal error" not in err
+    assert len(completed_trials(str(tmp_path / "s.journal"), "int:sparsity")) == 1
+    profile = yaml.safe_load((tmp_path / "p.yaml").read_text())
+    assert any("sparsity: 1 of 2 trials finished when Ctrl-C" in line
+               for line in profile["cut_short"])
 
 
 def fake_measurement(tokens_per_second: float, accepted: float = 2.0,

@@ -46,6 +46,7 @@ from vegas_core import SpecConfig
 from vegas_core.errors import VegasError
 from vegas_tune.costmodel import (ProbeRun, StepCosts, batch_acceptance, draft_read_share,
                                   expected_tokens, predict_tokens_per_second)
+from vegas_tune.interrupts import DeferredInterrupts
 from vegas_tune.measure import Measurement, Measurer, interleave, ratio_estimate, series_attrs
 from vegas_tune.progress import ProgressCallback, ProgressEvent
 from vegas_tune.stats import Estimate, choose_within_noise, estimate
@@ -218,6 +219,7 @@ class Tuner:
         self.progress = progress
         self.deadline = time.monotonic() + options.time_budget if options.time_budget else None
         self._where: tuple[str, int | None, int] | None = None  # (step, batch, total trials)
+        self._interrupts = DeferredInterrupts()
         check_study(self.storage, storage, study_name, resume=resume, new_study=new_study,
                     fingerprint=self.fingerprint)
 
@@ -351,7 +353,8 @@ class Tuner:
         while study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
             if waited > WAIT_FOR_OTHERS_SECONDS:
                 break
-            time.sleep(POLL_SECONDS)
+            with self._interrupts.interruptible():
+                time.sleep(POLL_SECONDS)
             waited += POLL_SECONDS
 
     # ---- measuring -------------------------------------------------------------------
@@ -361,7 +364,8 @@ class Tuner:
         retried on resume) and the tuner goes on."""
         trial.set_user_attr("worker", _worker_id())
         try:
-            return measure()
+            with self._interrupts.interruptible():
+                return measure()
         except torch.cuda.OutOfMemoryError as e:
             trial.set_user_attr("failed_reason", f"out of memory: {str(e).splitlines()[0]}")
             torch.cuda.empty_cache()
@@ -713,20 +717,23 @@ class Tuner:
         interrupted = False
         chosen: dict[int, SpecConfig] = {}
         try:
-            s1 = self.step_sparsity()
-            steps.append(s1)
-            largest = self.sizes[-1]
-            for batch in self.order():
-                try:
-                    chosen[batch], size_steps = self._tune_size(batch, s1.chosen["sparsity"],
-                                                                chosen.get(largest))
-                    steps += size_steps
-                except (StepFailed, torch.cuda.OutOfMemoryError) as error:
-                    if isinstance(error, torch.cuda.OutOfMemoryError):
-                        error = f"out of memory: {str(error).splitlines()[0]}"
-                    not_tuned.append((batch, str(error)))
-                    log.warning("batch %d not tuned: %s", batch, error)
-                    _free_device_memory(self.measurers[batch])
+            # Ctrl-C waits for the storage write in flight: it stops the next measurement.
+            with self._interrupts:
+                s1 = self.step_sparsity()
+                steps.append(s1)
+                largest = self.sizes[-1]
+                for batch in self.order():
+                    try:
+                        chosen[batch], size_steps = self._tune_size(
+                            batch, s1.chosen["sparsity"], chosen.get(largest))
+                        steps += size_steps
+                    except (StepFailed, torch.cuda.OutOfMemoryError) as error:
+                        if isinstance(error, torch.cuda.OutOfMemoryError):
+                            error = f"out of memory: {str(error).splitlines()[0]}"
+                        not_tuned.append((batch, str(error)))
+                        log.warning("batch %d not tuned: %s", batch, error)
+                        _free_device_memory(self.measurers[batch])
+                self._interrupts.check()
         except (BudgetSpent, KeyboardInterrupt) as stop:
             interrupted = isinstance(stop, KeyboardInterrupt)
             cut.append(self._cut_words("Ctrl-C" if interrupted else "--time-budget"))
