@@ -35,9 +35,10 @@ except ImportError:
     triton = None
 
 
-def reference_sparse_attention(q, k, v, positions, indices, counts, tail_start):
+def reference_sparse_attention(q, k, v, positions, indices, counts, tail_start, sinks=None):
     """q [B, 1, H, D]; k, v [B, H_kv, S, D]; positions [B, 1]; indices [B, G, K];
-    counts [B]; tail_start [B] -> out [B, 1, H, D] in float32 or wider."""
+    counts [B]; tail_start [B]; sinks [H] or None -> out [B, 1, H, D] in float32 or
+    wider."""
     b, _, h, d = q.shape
     h_kv, s = k.shape[1], k.shape[2]
     acc = torch.promote_types(q.dtype, torch.float32)
@@ -50,7 +51,10 @@ def reference_sparse_attention(q, k, v, positions, indices, counts, tail_start):
     qg = q[:, 0].to(acc).view(b, h_kv, h // h_kv, d)
     scores = torch.einsum("bkgd,bksd->bkgs", qg, k.to(acc)) / math.sqrt(d)
     scores = scores.masked_fill(~visible[:, :, None, :], float("-inf"))
-    out = torch.einsum("bkgs,bksd->bkgd", torch.softmax(scores, -1), v.to(acc))
+    lse = scores.logsumexp(-1, keepdim=True)  # [B, H_kv, G, 1]
+    if sinks is not None:
+        lse = torch.logaddexp(lse, sinks.to(acc).view(1, h_kv, h // h_kv, 1))
+    out = torch.einsum("bkgs,bksd->bkgd", torch.exp(scores - lse), v.to(acc))
     return out.reshape(b, 1, h, d)
 
 
@@ -83,7 +87,7 @@ if triton is not None:
         tail0 = tl.load(TAIL + b * st_b).to(tl.int32)
         pos = tl.load(POS + b * sp_b).to(tl.int32)
         total = count + tl.maximum(pos - tail0 + 1, 0)  # selected slots, then the tail
-        start, end, live = _split_range(total, split, splits, BLOCK_N)
+        start, end, live = _split_range(0, total, split, splits, BLOCK_N)
         idx_base = IDX + b * si_b + (kvh * si_g if PER_HEAD else 0)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -106,13 +110,14 @@ if triton is not None:
 
 
 def sparse_attention(q, k, v, positions, indices, counts, tail_start, max_keys: int, *,
-                     splits: int | None = None):
+                     splits: int | None = None, sinks=None):
     """Triton sparse draft attention -> out [B, 1, H, D] in q's dtype.
 
     q [B, 1, H, D]; k, v [B, H_kv, S, D] (last dim contiguous); positions [B, 1];
     indices [B, 1 or H_kv, K]; counts, tail_start [B] (any integer dtype); max_keys: a
     static bound on every sequence's key count (selected + tail), which only sizes the
-    grid; splits: the split count (default ``splits_for``). Reads nothing back from the
+    grid; splits: the split count (default ``splits_for``); sinks: [H] or None, logits
+    that join each head's softmax (the merge adds them). Reads nothing back from the
     device."""
     b, t, h, d = q.shape
     assert t == 1, "drafts attend with one query row"
@@ -135,5 +140,5 @@ def sparse_attention(q, k, v, positions, indices, counts, tail_start, max_keys: 
         BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32,
     )
     out = torch.empty(b, 1, h, d, device=dev, dtype=q.dtype)
-    merge_partials(partials, out, None, h_kv, g, 1)
+    merge_partials(partials, out, None, h_kv, g, 1, sinks)
     return out

@@ -20,6 +20,12 @@ store nothing) are merged by log-sum-exp in a second small kernel, which writes 
 [B, T, H, D] (q's dtype) and ``lse`` [B, T, H] (float32) in their final layout. A row
 that sees no slot gets out 0 and lse -inf.
 
+A sliding ``window`` (hybrid models' local layers) limits row r to the slots
+``positions[b, r] - window < s <= positions[b, r]``: the splits then cut only the slots
+some row of the window sees, so a local layer reads its window, not the whole cache.
+Attention ``sinks`` ([H], gpt-oss) are a logit per query head that joins every row's
+softmax as one more slot with no value; the merge adds it once, after the splits.
+
 With ``row_weights`` ([B, T]) the kernel also emits the selection scores of the Vegas
 ``logit`` mode for free: for each slot, the sum over the group's heads and the window
 rows of ``weight[row] * q.k / sqrt(d)`` (visible slots only), shape [B, H_kv, kv_len]
@@ -43,6 +49,9 @@ except ImportError:  # CPU-only installs: the reference path is used
     triton = None
 
 BLOCK_N = 64  # key slots per tile
+# The window of a layer without one: wider than any cache, small enough that position
+# arithmetic in 32 bits never overflows.
+NO_WINDOW = 1 << 30
 MIN_BLOCK_M = 16  # tl.dot needs at least 16 rows
 MIN_HEAD_DIM = 16  # and a reduction of at least 16
 # Split-kernel programs one SM runs at once (by shared memory, at BLOCK_N 64, head dim
@@ -73,23 +82,31 @@ def splits_for(device: torch.device, programs_per_split: int, bound: int) -> int
     return max(1, min(wanted, math.ceil(bound / BLOCK_N)))
 
 
-def reference_verify_attention(q, k, v, positions, kv_len, row_weights=None):
-    """q [B, T, H, D]; k, v [B, H_kv, S, D]; positions [B, T] -> (out [B, T, H, D],
-    lse [B, T, H], scores [B, H_kv, kv_len] or None), all in float32 or wider."""
+def reference_verify_attention(q, k, v, positions, kv_len, row_weights=None, window=None,
+                               sinks=None):
+    """q [B, T, H, D]; k, v [B, H_kv, S, D]; positions [B, T]; window: a sliding window
+    or None; sinks [H] or None -> (out [B, T, H, D], lse [B, T, H], scores [B, H_kv,
+    kv_len] or None), all in float32 or wider. ``lse`` includes the sink."""
     b, t, h, d = q.shape
     h_kv = k.shape[1]
     acc = torch.promote_types(q.dtype, torch.float32)
     qg = q.to(acc).view(b, t, h_kv, h // h_kv, d).permute(0, 2, 3, 1, 4)  # [B, Hkv, G, T, D]
     kk, vv = k[:, :, :kv_len].to(acc), v[:, :, :kv_len].to(acc)
     s = torch.einsum("bkgtd,bksd->bkgts", qg, kk) / math.sqrt(d)
-    visible = torch.arange(kv_len, device=q.device) <= positions[:, None, None, :, None]
+    slots = torch.arange(kv_len, device=q.device)
+    pos = positions[:, None, None, :, None]
+    visible = slots <= pos
+    if window is not None:
+        visible &= slots > pos - window
     scores = None
     if row_weights is not None:
         w = row_weights.to(acc)[:, None, None, :, None]
         scores = (s.masked_fill(~visible, 0.0) * w).sum(dim=(2, 3))
     s = s.masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)  # [B, Hkv, G, T]
-    out = torch.einsum("bkgts,bksd->bkgtd", torch.softmax(s, dim=-1), vv)
+    if sinks is not None:
+        lse = torch.logaddexp(lse, sinks.to(acc).view(1, h_kv, h // h_kv, 1))
+    out = torch.einsum("bkgts,bksd->bkgtd", torch.exp(s - lse[..., None]), vv)
     out = out.permute(0, 3, 1, 2, 4).reshape(b, t, h, d)
     return out, lse.permute(0, 3, 1, 2).reshape(b, t, h), scores
 
@@ -119,16 +136,17 @@ if triton is not None:
         return m_new, l_i, acc
 
     @triton.jit
-    def _split_range(total, split, splits, BLOCK_N: tl.constexpr):
-        """This split's slice [start, end) of ``total`` keys cut into ``splits`` slices of
-        whole tiles (end == start when empty), and how many slices are non-empty. Never a
-        zero-sized slice, so an empty key range (total 0) gives no live split rather than
-        a division by zero."""
-        tiles = tl.maximum(tl.cdiv(tl.cdiv(total, splits), BLOCK_N), 1)
+    def _split_range(low, total, split, splits, BLOCK_N: tl.constexpr):
+        """This split's slice [start, end) of the keys [low, total) cut into ``splits``
+        slices of whole tiles (end == start when empty), and how many slices are
+        non-empty. Never a zero-sized slice, so an empty key range gives no live split
+        rather than a division by zero."""
+        n = total - low
+        tiles = tl.maximum(tl.cdiv(tl.cdiv(n, splits), BLOCK_N), 1)
         split_size = tiles * BLOCK_N
-        start = split * split_size
+        start = low + split * split_size
         end = tl.maximum(tl.minimum(start + split_size, total), start)
-        return start, end, tl.cdiv(total, split_size)
+        return start, end, tl.cdiv(n, split_size)
 
     @triton.jit
     def _store_partials(ACC, MAX, SUM, LIVE, bh, split, acc_base, stat_base, sa_m,
@@ -148,11 +166,11 @@ if triton is not None:
 
     @triton.jit
     def _merge_kernel(
-        ACC, MAX, SUM, LIVE, OUT, LSE,
+        ACC, MAX, SUM, LIVE, SINKS, OUT, LSE,
         sa_bh, sa_sp, sa_m, sm_bh, sm_sp, so_b, so_t, so_h, sl_b, sl_t, sl_h,
         H_KV: tl.constexpr, G: tl.constexpr, T: tl.constexpr, D: tl.constexpr,
         LANES: tl.constexpr, ROWS: tl.constexpr, DIMS: tl.constexpr,
-        STORE_LSE: tl.constexpr,
+        STORE_LSE: tl.constexpr, HAS_SINKS: tl.constexpr,
     ):
         """One program per (sequence * KV head, block of ROWS packed rows, block of DIMS
         head dims). Lane j merges splits j, j + LANES, ... with an element-wise online
@@ -191,10 +209,18 @@ if triton is not None:
         scale = tl.exp(m_lane - top_safe[None, :])
         total = tl.sum(l_lane * scale, axis=0)
         acc = tl.sum(acc_lane * scale[:, :, None], axis=0)  # [ROWS, DIMS]
-        seen = total > 0.0
-        out = acc / tl.where(seen, total, 1.0)[:, None]  # a row that sees nothing: 0, not NaN
         head = kvh * G + rows // T
         trow = rows % T
+        if HAS_SINKS:
+            # The sink: one more slot of the softmax, logit sinks[head], value 0.
+            sink = tl.load(SINKS + head, mask=row_ok, other=0.0)
+            with_sink = tl.maximum(top, sink)
+            rescale = tl.exp(top - with_sink)  # 0 for a row that saw no slot
+            total = total * rescale + tl.exp(sink - with_sink)
+            acc = acc * rescale[:, None]
+            top_safe = with_sink
+        seen = total > 0.0
+        out = acc / tl.where(seen, total, 1.0)[:, None]  # a row that sees nothing: 0, not NaN
         tl.store(OUT + b * so_b + trow[:, None] * so_t + head[:, None] * so_h + dims[None, :],
                  out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
         if STORE_LSE:
@@ -204,14 +230,15 @@ if triton is not None:
                 tl.store(LSE + b * sl_b + trow * sl_t + head * sl_h, lse, mask=row_ok)
 
     @triton.jit
-    def _verify_tile(q, k_head, v_head, scores_head, n0, end, pos, weight, row_ok,
+    def _verify_tile(q, k_head, v_head, scores_head, n0, end, pos, window, weight, row_ok,
                      m_i, l_i, acc, sk_s, sv_s, sm_scale, BLOCK_N: tl.constexpr,
                      D: tl.constexpr, COLLECT: tl.constexpr, IEEE: tl.constexpr,
                      VISIBLE: tl.constexpr):
         """One tile of BLOCK_N slots from n0. A VISIBLE tile lies wholly before every
-        row's position and inside the range: no masks at all (wide, pipelined loads), and
-        its scores are the weighted sum of the rows' scores without a mask. Other tiles
-        (the window's own slots, the end of the range) mask slots per row."""
+        row's position, inside every row's sliding window and inside the range: no masks
+        at all (wide, pipelined loads), and its scores are the weighted sum of the rows'
+        scores without a mask. Other tiles (the verify window's own slots, a sliding
+        window's start, the end of the range) mask slots per row."""
         slots = n0 + tl.arange(0, BLOCK_N)
         dims = tl.arange(0, D)
         k_ptrs = k_head + slots[:, None] * sk_s + dims[None, :]
@@ -230,7 +257,8 @@ if triton is not None:
             in_range = slots < end
             k = tl.load(k_ptrs, mask=in_range[:, None], other=0.0)
             s = _scaled_scores(q, k, sm_scale, IEEE)
-            visible = (slots[None, :] <= pos[:, None]) & in_range[None, :] & row_ok[:, None]
+            visible = ((slots[None, :] <= pos[:, None]) & (slots[None, :] > pos[:, None] - window)
+                       & in_range[None, :] & row_ok[:, None])
             if COLLECT:
                 collected = tl.sum(tl.where(visible, s, 0.0) * weight[:, None], axis=0)
                 tl.store(scores_head + slots, collected, mask=in_range)
@@ -243,7 +271,7 @@ if triton is not None:
         Q, K, V, POS, ROWW, ACC, MAX, SUM, LIVE, SCORES,
         sq_b, sq_t, sq_h, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sp_b, sp_t, sw_b, sw_t,
         sa_bh, sa_sp, sa_m, sm_bh, sm_sp, ss_b, ss_h,
-        kv_len, splits, sm_scale,
+        kv_len, window, splits, sm_scale,
         H_KV: tl.constexpr, G: tl.constexpr, T: tl.constexpr, D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, COLLECT: tl.constexpr,
         IEEE: tl.constexpr,
@@ -269,21 +297,33 @@ if triton is not None:
         weight = tl.zeros([BLOCK_M], tl.float32)
         if COLLECT:
             weight = tl.load(ROWW + b * sw_b + trow * sw_t, mask=row_ok, other=0.0)
-        # The slots any row of this sequence sees, from the device positions alone.
-        total = tl.maximum(tl.minimum(tl.max(pos, axis=0) + 1, kv_len), 0)
-        start, end, live = _split_range(total, split, splits, BLOCK_N)
-        # Whole tiles below every row's position: visible to all rows.
-        seen_by_all = tl.minimum(tl.min(tl.where(row_ok, pos, kv_len), axis=0) + 1, end)
-        visible_end = start + tl.maximum(seen_by_all - start, 0) // BLOCK_N * BLOCK_N
+        # The slots any row of this sequence sees, [low, total), from the device
+        # positions alone.
+        first_pos = tl.min(tl.where(row_ok, pos, kv_len), axis=0)
+        last_pos = tl.max(pos, axis=0)
+        total = tl.maximum(tl.minimum(last_pos + 1, kv_len), 0)
+        low = tl.minimum(tl.maximum(first_pos - window + 1, 0), total)
+        start, end, live = _split_range(low, total, split, splits, BLOCK_N)
+        # Whole tiles inside every row's window and below every row's position: visible
+        # to all rows. Before them, the tiles where a sliding window starts; after, the
+        # verify window's own tiles and the range's end.
+        inside_all = tl.minimum(tl.maximum(last_pos - window + 1 - start, 0), end - start)
+        head_end = start + tl.minimum(tl.cdiv(inside_all, BLOCK_N) * BLOCK_N, end - start)
+        seen_by_all = tl.minimum(first_pos + 1, end)
+        visible_end = head_end + tl.maximum(seen_by_all - head_end, 0) // BLOCK_N * BLOCK_N
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
-        for n0 in range(start, visible_end, BLOCK_N):
-            m_i, l_i, acc = _verify_tile(q, k_head, v_head, scores_head, n0, end, pos,
+        for n0 in range(start, head_end, BLOCK_N):
+            m_i, l_i, acc = _verify_tile(q, k_head, v_head, scores_head, n0, end, pos, window,
+                                         weight, row_ok, m_i, l_i, acc, sk_s, sv_s, sm_scale,
+                                         BLOCK_N, D, COLLECT, IEEE, False)
+        for n0 in range(head_end, visible_end, BLOCK_N):
+            m_i, l_i, acc = _verify_tile(q, k_head, v_head, scores_head, n0, end, pos, window,
                                          weight, row_ok, m_i, l_i, acc, sk_s, sv_s, sm_scale,
                                          BLOCK_N, D, COLLECT, IEEE, True)
-        for n0 in range(visible_end, end, BLOCK_N):  # the window's tiles, the range's end
-            m_i, l_i, acc = _verify_tile(q, k_head, v_head, scores_head, n0, end, pos,
+        for n0 in range(visible_end, end, BLOCK_N):
+            m_i, l_i, acc = _verify_tile(q, k_head, v_head, scores_head, n0, end, pos, window,
                                          weight, row_ok, m_i, l_i, acc, sk_s, sv_s, sm_scale,
                                          BLOCK_N, D, COLLECT, IEEE, False)
         _store_partials(ACC, MAX, SUM, LIVE, bh, split, bh * sa_bh + split * sa_sp,
@@ -307,8 +347,9 @@ def split_buffers(b: int, h_kv: int, splits: int, rows: int, d: int, device):
 
 
 def merge_partials(partials, out: torch.Tensor, lse: torch.Tensor | None, h_kv: int,
-                   g: int, t: int) -> None:
-    """Merge ``split_buffers`` into out [B, T, H, D] and, when given, lse [B, T, H]."""
+                   g: int, t: int, sinks: torch.Tensor | None = None) -> None:
+    """Merge ``split_buffers`` into out [B, T, H, D] and, when given, lse [B, T, H];
+    ``sinks`` [H] join each row's softmax (see the module docstring)."""
     acc, maxes, sums, live = partials
     bh, splits, rows, d = acc.shape
     # A lane per split (up to the cap), then as much of the head dim and as many rows as
@@ -318,12 +359,13 @@ def merge_partials(partials, out: torch.Tensor, lse: torch.Tensor | None, h_kv: 
     block = max(1, min(triton.next_power_of_2(rows), MERGE_TILE // (lanes * dims)))
     lse_arg = lse if lse is not None else out  # unused placeholder pointer
     lse_strides = lse.stride() if lse is not None else (0, 0, 0)
+    sinks_arg = sinks.float().contiguous() if sinks is not None else maxes  # placeholder
     _merge_kernel[(bh, triton.cdiv(rows, block), d // dims)](
-        acc, maxes, sums, live, out, lse_arg,
+        acc, maxes, sums, live, sinks_arg, out, lse_arg,
         acc.stride(0), acc.stride(1), acc.stride(2), maxes.stride(0), maxes.stride(1),
         out.stride(0), out.stride(1), out.stride(2), *lse_strides,
         H_KV=h_kv, G=g, T=t, D=d, LANES=lanes, ROWS=block, DIMS=dims,
-        STORE_LSE=lse is not None,
+        STORE_LSE=lse is not None, HAS_SINKS=sinks is not None,
     )
 
 
@@ -340,20 +382,24 @@ def _scores_buffer(scores_out, b: int, h_kv: int, kv_len: int, device) -> torch.
 
 
 def verify_attention(q, k, v, positions, kv_len: int, row_weights=None, *, scores_out=None,
-                     splits: int | None = None):
+                     splits: int | None = None, window: int | None = None, sinks=None):
     """Triton verify/decode attention; same contract as ``reference_verify_attention``
-    but ``out`` in q's dtype, and scores only at slots < each sequence's total.
+    but ``out`` in q's dtype, and scores only at the slots each sequence's rows see
+    (below its total, and from its first row's window start).
 
     q [B, T, H, D]; k, v [B, H_kv, >= kv_len, D] (last dim contiguous); positions [B, T];
     kv_len: a static bound on the slots read; row_weights [B, T] or None; scores_out: an
     optional float32 [B, H_kv, >= kv_len] home for the scores (any strides but the last);
-    splits: the split count (default ``splits_for``). Reads nothing back from the device.
+    splits: the split count (default ``splits_for``); window: a sliding window or None;
+    sinks: [H] or None. Reads nothing back from the device.
     """
     b, t, h, d = q.shape
     h_kv = k.shape[1]
     g = h // h_kv
     dev = q.device
-    splits = splits or splits_for(dev, b * h_kv, kv_len)
+    # With a window, a sequence's rows see at most window + T - 1 slots.
+    bound = kv_len if window is None else min(kv_len, window + t - 1)
+    splits = splits or splits_for(dev, b * h_kv, bound)
     partials = split_buffers(b, h_kv, splits, g * t, d, dev)
     acc, maxes, sums, live = partials
     collect = row_weights is not None
@@ -368,12 +414,12 @@ def verify_attention(q, k, v, positions, kv_len: int, row_weights=None, *, score
         weights.stride(0), weights.stride(1),
         acc.stride(0), acc.stride(1), acc.stride(2), maxes.stride(0), maxes.stride(1),
         scores.stride(0), scores.stride(1),
-        kv_len, splits, 1.0 / math.sqrt(d),
+        kv_len, NO_WINDOW if window is None else window, splits, 1.0 / math.sqrt(d),
         H_KV=h_kv, G=g, T=t, D=d, BLOCK_M=block_rows(g * t), BLOCK_N=BLOCK_N,
         COLLECT=collect, IEEE=q.dtype == torch.float32,
         num_warps=SPLIT_WARPS, num_stages=SPLIT_STAGES,
     )
     out = torch.empty(b, t, h, d, device=dev, dtype=q.dtype)
     lse = torch.empty(b, t, h, device=dev, dtype=torch.float32)
-    merge_partials(partials, out, lse, h_kv, g, t)
+    merge_partials(partials, out, lse, h_kv, g, t, sinks)
     return out, lse, (scores if collect else None)
