@@ -35,6 +35,19 @@ def test_prefill_attention_matches_the_reference_in_float64(shape, start):
                                rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("start, window", [(0, 16), (37, 5), (300, 64), (0, 1000)])
+def test_sliding_window_prefill_matches_the_reference(monkeypatch, start, window):
+    """A sliding layer's prefill, in blocks smaller than the prompt (so some blocks start
+    past the window and some within it)."""
+    import kernels.prefill_attention as module
+
+    monkeypatch.setattr(module, "WINDOW_BLOCK_ROWS", 48)
+    q, k, v = random_block(2, 130, 4, 2, 16, start, torch.float64, "cpu", seed=window)
+    got = prefill_attention(q, k, v, start, window)
+    torch.testing.assert_close(got, reference_prefill_attention(q, k, v, start, window),
+                               rtol=1e-10, atol=1e-10)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("start", [0, 200])
 def test_prefill_attention_in_half_precision_is_close_to_float32(device, start):
