@@ -1,6 +1,8 @@
 """Acceptance of every drafter at matched budgets on long embedded prompts.
 
-Runs vanilla greedy once per prompt, then each drafter at each sparsity, and records the
+Runs vanilla greedy once per prompt, then each drafter at each sparsity (vegas once per
+score of ``--scores``, labelled ``vegas:logit``, ``vegas:weight`` when there are several),
+and records the
 mean accepted length (1 + accepted drafts per iteration, bonus included), the
 acceptance by draft position, and whether the output equals vanilla's token for token.
 Writes a Markdown table (with the hardware and the command) and the raw rows as JSON.
@@ -27,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from vegas_core import SpecConfig, generate, load_model  # noqa: E402
 from vegas_core.selection import draft_budget  # noqa: E402
-from vegas_core.spec_config import DRAFTERS  # noqa: E402
+from vegas_core.spec_config import DRAFTERS, SCORES  # noqa: E402
 from vegas_tune.datasets import embedded_prompts  # noqa: E402
 
 
@@ -43,6 +45,17 @@ def write_atomic(path: Path, text: str) -> None:
     tmp.replace(path)
 
 
+def configurations(drafters: list[str], scores: list[str]) -> list[tuple[str, str, dict]]:
+    """(label, drafter, SpecConfig options) for each configuration to run."""
+    out = []
+    for drafter in drafters:
+        if drafter == "vegas" and len(scores) > 1:
+            out += [(f"vegas:{score}", drafter, {"score": score}) for score in scores]
+        else:
+            out.append((drafter, drafter, {"score": scores[0]} if drafter == "vegas" else {}))
+    return out
+
+
 def run(args, out: Path) -> list[dict]:
     model = load_model(args.model, device=args.device, dtype=args.dtype)
     rows: list[dict] = []
@@ -55,14 +68,14 @@ def run(args, out: Path) -> list[dict]:
                 print(f"[{dataset} ctx={ctx} {prompt.name}] vanilla {time.perf_counter() - t:.1f}s",
                       file=sys.stderr, flush=True)
                 for sparsity in args.sparsity:
-                    for drafter in args.drafters:
+                    for label, drafter, options in configurations(args.drafters, args.scores):
                         spec = SpecConfig(drafter=drafter, gamma=args.gamma, sparsity=sparsity,
-                                          min_tokens=args.min_tokens)
+                                          min_tokens=args.min_tokens, **options)
                         result = generate(model, [prompt.ids], args.max_new_tokens,
                                           ignore_eos=True, spec=spec)
                         s = result.stats
                         rows.append(dict(
-                            dataset=dataset, prompt=prompt.name, ctx=ctx, drafter=drafter,
+                            dataset=dataset, prompt=prompt.name, ctx=ctx, drafter=label,
                             sparsity=sparsity, gamma=args.gamma,
                             budget=int(draft_budget(torch.tensor([ctx]), sparsity,
                                                     args.min_tokens)),
@@ -71,7 +84,7 @@ def run(args, out: Path) -> list[dict]:
                             iterations=s.iterations,
                             matches_vanilla=result.tokens == vanilla.tokens,
                         ))
-                        print(f"  {drafter:10s} s={sparsity:<5} mal={s.mean_accepted_length:.2f}"
+                        print(f"  {label:12s} s={sparsity:<5} mal={s.mean_accepted_length:.2f}"
                               f" exact={rows[-1]['matches_vanilla']}", file=sys.stderr, flush=True)
                 # Rows so far, so an interrupted run still leaves its measurements.
                 write_atomic(out.with_suffix(".json"), json.dumps(rows, indent=1))
@@ -84,7 +97,8 @@ def summarize(rows: list[dict], args, seconds: float) -> str:
     for r in rows:
         groups[(r["dataset"], r["ctx"], r["sparsity"])][r["drafter"]].append(r["mean_accepted_length"])
         exact[r["drafter"]].append(r["matches_vanilla"])
-    drafters = [d for d in args.drafters]
+    drafters = [label for label, _, _ in configurations(args.drafters, args.scores)]
+    vegas = [d for d in drafters if d.startswith("vegas")]
     lines = [
         "# Acceptance by drafter at matched budgets",
         "",
@@ -97,28 +111,31 @@ def summarize(rows: list[dict], args, seconds: float) -> str:
         "- Metric: mean accepted length = 1 + accepted drafts per iteration (bonus included), "
         "averaged over prompts.",
         "",
-        "| dataset | ctx | sparsity | " + " | ".join(drafters) + " | vegas - streaming | "
-        "gap to oracle closed |",
-        "| --- | --- | --- | " + " | ".join("---" for _ in drafters) + " | --- | --- |",
+        "| dataset | ctx | sparsity | " + " | ".join(drafters) + " | "
+        + " | ".join(f"{d} - streaming | gap to oracle closed" for d in vegas) + " |",
+        "| --- | --- | --- | " + " | ".join("---" for _ in drafters) + " |"
+        + " --- | --- |" * len(vegas),
     ]
     verdicts = []
     for (dataset, ctx, sparsity), by in sorted(groups.items()):
         mean = {d: sum(v) / len(v) for d, v in by.items()}
         cells = [f"{mean[d]:.2f}" if d in mean else "-" for d in drafters]
-        delta = closed = "-"
-        if {"vegas", "streaming"} <= mean.keys():
-            delta = f"{mean['vegas'] - mean['streaming']:+.2f}"
-            verdicts.append(mean["vegas"] >= mean["streaming"])
-            if "oracle" in mean and mean["oracle"] > mean["streaming"]:
-                closed = f"{(mean['vegas'] - mean['streaming']) / (mean['oracle'] - mean['streaming']):.0%}"
-        lines.append(f"| {dataset} | {ctx} | {sparsity} | " + " | ".join(cells)
-                     + f" | {delta} | {closed} |")
+        for d in vegas:
+            delta = closed = "-"
+            if {d, "streaming"} <= mean.keys():
+                delta = f"{mean[d] - mean['streaming']:+.2f}"
+                verdicts.append(mean[d] >= mean["streaming"])
+                if "oracle" in mean and mean["oracle"] > mean["streaming"]:
+                    gap = mean["oracle"] - mean["streaming"]
+                    closed = f"{(mean[d] - mean['streaming']) / gap:.0%}"
+            cells += [delta, closed]
+        lines.append(f"| {dataset} | {ctx} | {sparsity} | " + " | ".join(cells) + " |")
     lines += ["", "Exact match with vanilla greedy output (prompts):", ""]
     lines += [f"- {d}: {sum(v)}/{len(v)}" for d, v in exact.items()]
     if verdicts:
         held = sum(verdicts)
         lines += ["", f"vegas >= streaming at equal budget held in {held} of {len(verdicts)} "
-                      "(dataset, ctx, sparsity) groups."]
+                      "(vegas score, dataset, ctx, sparsity) groups."]
     return "\n".join(lines) + "\n"
 
 
@@ -131,6 +148,8 @@ def main() -> None:
     p.add_argument("--ctx", nargs="+", type=int, default=[4096])
     p.add_argument("--sparsity", nargs="+", type=float, default=[0.05])
     p.add_argument("--drafters", nargs="+", default=list(DRAFTERS), choices=DRAFTERS)
+    p.add_argument("--scores", nargs="+", default=["logit"], choices=SCORES,
+                   help="vegas's score modes; several run vegas once per mode")
     p.add_argument("--gamma", type=int, default=6)
     p.add_argument("--min-tokens", type=int, default=64)
     p.add_argument("--max-new-tokens", type=int, default=64)

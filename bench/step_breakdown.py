@@ -58,7 +58,8 @@ def kernel_times(model, cache) -> dict[str, tuple[float, int]]:
     positions = cache.lengths[:, None].clone()
 
     def step():
-        hidden = net(tokens, positions, cache, AttentionMeta.full(positions, cache.max_len))
+        hidden = net(tokens, positions, cache, AttentionMeta.full(positions, cache.max_len,
+                                                                    model.config.window))
         return net.logits(hidden[:, -1])
 
     with torch.inference_mode():

@@ -5,7 +5,9 @@ Random weights of a real model's shape (bf16) and a KV cache filled with random 
 
 - the device-to-device copy bandwidth, measured once in the same run;
 - a vanilla decode step (one CUDA-graph replay: every layer, the LM head) against its
-  floor = (weight bytes read + KV bytes read) / copy bandwidth;
+  floor = (weight bytes read + KV bytes read) / copy bandwidth. A mixture of experts
+  counts the experts the step's tokens are routed to (each once per layer), and a
+  sliding layer reads its window, not the whole context;
 - Vegas and StreamingLLM iterations at gamma and sparsity given (drafts, verify, accept,
   selection, and the one copy of tokens to the host), with the per-phase times from CUDA
   events, and the selection's share of an iteration.
@@ -36,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.acceptance import write_atomic  # noqa: E402
 
-MODELS = ("qwen3-8b", "llama-3.1-8b")
+MODELS = ("qwen3-8b", "llama-3.1-8b", "gpt-oss-20b", "qwen3-30b-a3b")
 STEP_REPEATS = 30  # vanilla step replays timed
 ITERATIONS, WARMUP_ITERATIONS = 12, 3
 HEADROOM = 12 << 30  # bytes left free beside weights and cache (graphs, scores, logits)
@@ -60,29 +62,84 @@ def copy_bandwidth() -> float:
     return 2 * COPY_BYTES / statistics.median(times)
 
 
-def weight_bytes_read(net) -> int:
+def _bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def _expert_tensors(moe) -> list:
+    return [moe.experts_gate_up, moe.experts_down, moe.experts_gate_up_bias,
+            moe.experts_down_bias]
+
+
+def weight_bytes_read(net, experts_read: dict[int, int] | None = None) -> int:
     """Bytes a decode step reads from the weights: all of them but the embedding table
-    (a lookup reads one row per token) unless the LM head shares it."""
-    total = sum(p.numel() * p.element_size() for p in net.parameters())
+    (a lookup reads one row per token) unless the LM head shares it. In a mixture of
+    experts only ``experts_read[layer]`` of the layer's experts are read (default: all)."""
+    from vegas_core.model import MixtureOfExperts
+
+    total = _bytes(net.parameters())
     if net.lm_head.weight is not net.embed_tokens.weight:
-        e = net.embed_tokens.weight
-        total -= e.numel() * e.element_size()
+        total -= _bytes([net.embed_tokens.weight])
+    for i, block in enumerate(net.layers):
+        if isinstance(block.mlp, MixtureOfExperts):
+            experts = block.mlp.config.num_experts
+            unread = experts - (experts_read or {}).get(i, experts)
+            total -= _bytes(_expert_tensors(block.mlp)) * unread // experts
     return total
+
+
+def experts_read(model, cache, tokens: torch.Tensor, positions: torch.Tensor) -> dict[int, int]:
+    """Layer -> how many distinct experts the tokens [B, 1] at ``positions`` are routed
+    to in one decode step: an eager forward with the routers observed."""
+    from vegas_core.attention import AttentionMeta
+    from vegas_core.model import MixtureOfExperts
+
+    net, counts, hooks = model.net, {}, []
+
+    def observer(layer: int):
+        def observe(module, args):
+            x = args[0]
+            _, chosen = module.route(x.reshape(-1, x.shape[-1]))
+            counts[layer] = int(chosen.unique().numel())
+        return observe
+
+    for i, block in enumerate(net.layers):
+        if isinstance(block.mlp, MixtureOfExperts):
+            hooks.append(block.mlp.register_forward_pre_hook(observer(i)))
+    try:
+        with torch.inference_mode():
+            net(tokens, positions, cache,
+                AttentionMeta.full(positions, cache.max_len, model.config.window))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return counts
+
+
+def kv_bytes_read(config, ctx: int, batch: int, dtype_bytes: int = 2) -> int:
+    """K/V bytes a decode step reads at ``ctx`` tokens per sequence: a sliding layer
+    reads its window only."""
+    window = config.window
+    tokens = sum(min(ctx, window.size) if window is not None and window.applies(i) else ctx
+                 for i in range(config.num_layers))
+    return 2 * config.num_kv_heads * config.head_dim * dtype_bytes * tokens * batch
 
 
 def kv_bytes_per_token(config, dtype_bytes: int = 2) -> int:
     return config.num_layers * 2 * config.num_kv_heads * config.head_dim * dtype_bytes
 
 
-def vanilla_step_seconds(model, cache) -> float:
+def vanilla_step_seconds(model, cache, tokens: torch.Tensor) -> float:
+    """Median seconds of a captured vanilla step of ``tokens`` [B, 1] at the cache's
+    lengths."""
     from vegas_core.attention import AttentionMeta
     from vegas_core.graphs import StaticForward, new_pool
 
     dev = model.device
     forward = StaticForward(model.net, cache, cache.batch_size, 1,
-                            lambda pos: AttentionMeta.full(pos, cache.max_len),
+                            lambda pos: AttentionMeta.full(pos, cache.max_len,
+                                                                model.config.window),
                             all_rows=False, device=dev, pool=new_pool(dev))
-    tokens = torch.randint(0, model.config.vocab_size, (cache.batch_size, 1), device=dev)
     positions = cache.lengths[:, None].clone()
     times = []
     with torch.inference_mode():
@@ -142,7 +199,7 @@ def run(args, save) -> dict:
     margin = (args.gamma + 1) * (ITERATIONS + WARMUP_ITERATIONS + 2)
     for name in args.models:
         model = load_model(f"dummy:{name}", device="cuda", dtype="bfloat16")
-        wbytes = weight_bytes_read(model.net)
+        wbytes = weight_bytes_read(model.net)  # every expert: what memory must hold
         per_token = kv_bytes_per_token(model.config)
         for ctx in args.ctx:
             for b in args.batch:
@@ -160,8 +217,15 @@ def run(args, save) -> dict:
                     cache.k[layer].normal_(generator=gen)
                     cache.v[layer].normal_(generator=gen)
                 cache.lengths.fill_(ctx)
-                floor = (wbytes + per_token * b * ctx) / bandwidth
-                row.update(floor=floor, vanilla=vanilla_step_seconds(model, cache))
+                tokens = torch.randint(0, model.config.vocab_size, (b, 1), device="cuda",
+                                       generator=gen)
+                routed = experts_read(model, cache, tokens, cache.lengths[:, None].clone())
+                floor = (weight_bytes_read(model.net, routed)
+                         + kv_bytes_read(model.config, ctx, b)) / bandwidth
+                row.update(floor=floor, vanilla=vanilla_step_seconds(model, cache, tokens))
+                if routed:
+                    row["experts_read"] = statistics.fmean(routed.values())
+                    row["experts"] = model.config.num_experts
                 for drafter in args.drafters:
                     spec = SpecConfig(drafter=drafter, gamma=args.gamma, sparsity=args.sparsity,
                                       min_tokens=args.min_tokens)
@@ -189,7 +253,9 @@ def render(result: dict, tau: dict[str, float], tau_source: str) -> str:
         f"- GPU: {result['gpu']}; torch {result['torch']}; triton {result['triton']}",
         f"- Command: `{result['command']}`",
         f"- Copy bandwidth measured in this run: {result['copy_bandwidth'] / 1e12:.2f} TB/s "
-        "(read + write). Floor = (weight bytes read + KV bytes read) / that bandwidth.",
+        "(read + write). Floor = (weight bytes read + KV bytes read) / that bandwidth; "
+        "a mixture counts the experts its step is routed to (mean per layer beside the "
+        "model), a sliding layer reads its window.",
         f"- Vanilla step: median of {STEP_REPEATS} CUDA-graph replays (CUDA events). Iterations: "
         f"median of {ITERATIONS} after {WARMUP_ITERATIONS} warm-ups, wall time including the "
         "iteration's one host sync; phases from CUDA events. Milliseconds.",
@@ -206,7 +272,9 @@ def render(result: dict, tau: dict[str, float], tau_source: str) -> str:
             lines.append(f"| {r['model']} | {r['ctx']} | {r['batch']} | " + "| " * 3
                          + f"does not fit: {r['skipped']} |" + " |" * (2 * len(drafters) - 1))
             continue
-        cells = [r["model"], str(r["ctx"]), str(r["batch"]), ms(r["floor"]), ms(r["vanilla"]),
+        name = r["model"] + (f" ({r['experts_read']:.1f} of {r['experts']} experts)"
+                             if "experts_read" in r else "")
+        cells = [name, str(r["ctx"]), str(r["batch"]), ms(r["floor"]), ms(r["vanilla"]),
                  f"{r['vanilla'] / r['floor']:.2f}"]
         for d in drafters:
             it = r[d]

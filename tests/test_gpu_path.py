@@ -147,7 +147,10 @@ def test_collectors_report_what_they_can_do():
     assert ScoreCollector({"logit"}, None, rows).fusable
     assert not ScoreCollector({"weight"}, None, rows).fusable
     assert ScoreCollector({"weight"}, deferrable=True).deferrable
-    assert not ScoreCollector({"weight"}, {0}, deferrable=True).deferrable
+    # A hybrid model's vegas collector keeps its global layers only, on either path.
+    subset = ScoreCollector({"weight"}, {1, 3}, deferrable=True, scores_out=torch.zeros(2, 1))
+    assert subset.deferrable and subset.collects(3) and not subset.collects(2)
+    assert subset.home(3).data_ptr() == subset.scores_out[1].data_ptr()
 
 
 def test_a_workspace_is_kept_across_calls_and_replaced_by_a_new_shape(model, monkeypatch):

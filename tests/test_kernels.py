@@ -150,6 +150,62 @@ def test_verify_attention_scattered_rows():
     assert_prefix_close(scores, ref_scores, [300, 201], tol)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, window, sinks, splits", [
+    (9, 100, False, None),  # a verify window over a local layer: tiles where windows start
+    (1, 64, True, 4),  # a decode row, a tile-sized window, sinks, more splits than tiles
+    (4, 37, True, 2),  # a window smaller than a tile, every tile masked
+    (3, 1000, False, 3),  # a window longer than the cache: plain causal attention
+    (5, None, True, None),  # sinks without a window (gpt-oss's full layers)
+])
+def test_verify_attention_with_a_sliding_window_and_sinks(dtype, rows, window, sinks, splits):
+    batch, heads, kv_heads, dim, kv_len = 2, 8, 2, 32, 300
+    seed = rows * 10 + (window or 0)
+    q = randn(batch, rows, heads, dim, dtype=dtype, seed=seed)
+    k = randn(batch, kv_heads, kv_len + SLACK, dim, dtype=dtype, seed=seed + 1)
+    v = randn(batch, kv_heads, kv_len + SLACK, dim, dtype=dtype, seed=seed + 2)
+    sink = randn(heads, dtype=torch.float32, seed=seed + 3) + 2.0 if sinks else None
+    ends = [kv_len, 170]
+    positions = window_positions(ends, rows)
+    weights = row_weights("two", batch, rows)
+    out, lse, scores = verify_attention(q, k, v, positions, kv_len, weights, splits=splits,
+                                        window=window, sinks=sink)
+    ref_out, ref_lse, ref_scores = reference_verify_attention(
+        q.double(), k.double(), v.double(), positions, kv_len, weights.double(), window,
+        None if sink is None else sink.double())
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.double(), ref_out, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=tol, rtol=tol)
+    first = [0 if window is None else max(e - rows - window + 1, 0) for e in ends]
+    for b, (lo, end) in enumerate(zip(first, ends)):  # written where the rows see
+        torch.testing.assert_close(scores[b, :, lo:end].double(), ref_scores[b, :, lo:end],
+                                   atol=tol * SCORE_TOLERANCE, rtol=tol)
+
+
+def test_reference_sinks_are_a_slot_with_no_value():
+    """A sink is a key whose logit is the sink and whose value is 0: the reference with
+    sinks equals plain attention over the cache with such a slot prepended."""
+    q = randn(2, 3, 4, 16, dtype=torch.float64, seed=21)
+    k = randn(2, 2, 40, 16, dtype=torch.float64, seed=22)
+    v = randn(2, 2, 40, 16, dtype=torch.float64, seed=23)
+    sinks = randn(4, dtype=torch.float64, seed=24)
+    positions = window_positions([40, 25], 3)
+    out, lse, _ = reference_verify_attention(q, k, v, positions, 40, sinks=sinks)
+    # q.k_sink / sqrt(d) = sink for head h: a key along q's own direction, per head, is
+    # not shared across a KV group; prepend one slot per query head instead.
+    b, t, h, d = q.shape
+    qh = q.permute(0, 2, 1, 3)  # [B, H, T, D]
+    kh = k.repeat_interleave(2, dim=1)  # [B, H, S, D]
+    vh = v.repeat_interleave(2, dim=1)
+    logits = qh @ kh.transpose(-1, -2) / d ** 0.5  # [B, H, T, S]
+    logits = logits.masked_fill(torch.arange(40) > positions[:, None, :, None], float("-inf"))
+    logits = torch.cat([sinks.view(1, h, 1, 1).expand(b, h, t, 1), logits], dim=-1)
+    probs = logits.softmax(-1)
+    expected = (probs[..., 1:] @ vh).permute(0, 2, 1, 3)
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(lse, logits.logsumexp(-1).permute(0, 2, 1))
+
+
 @pytest.mark.parametrize("max_lanes, tile", [
     (128, 4096),  # the shipped budget: one lane per split, whole head dim, all rows
     (4, 64),  # three lane steps, the head dim in slices of 16, one row per program
@@ -211,6 +267,13 @@ def test_sparse_attention_matches_reference(dtype, per_head, budget, tails, spli
                                      counts_t, tail_start)
     tol = TOLERANCE[dtype]
     assert out.dtype == dtype
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+    # With sinks (gpt-oss): the merge adds them once, whatever the split count.
+    sinks = randn(heads, dtype=torch.float32, seed=seed + 3)
+    out = sparse_attention(q, k, v, positions, indices, counts_t, tail_start, max_keys,
+                           splits=splits, sinks=sinks)
+    ref = reference_sparse_attention(q.double(), k.double(), v.double(), positions, indices,
+                                     counts_t, tail_start, sinks.double())
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
 
 
@@ -365,3 +428,29 @@ def test_fused_verify_scores_select_what_the_reference_selects(collect, granular
                 n = int(ref.counts[layer, b])
                 assert set(ref.indices[layer, b, g, :n].tolist()) == set(
                     got.indices[layer, b, g, :n].tolist())
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gpt_oss"])
+def test_hybrid_and_moe_models_on_the_static_kernel_path_match_the_reference(
+        family, tiny_hf, monkeypatch):
+    """Sliding layers (their windows in the verify kernel, drafts over the whole window),
+    attention sinks in the merge, the grouped mixture kernel (gpt-oss's; Qwen3-MoE's
+    SiLU experts are the kernel tests' other case) and the selection of the global
+    layers only, on the static buffers a GPU captures: the same greedy tokens as the
+    reference path (float32)."""
+    from vegas_core import SpecConfig, generate, load_model
+
+    path, _ = tiny_hf(family)
+    model = load_model(str(path), device=DEVICE, dtype="float32")
+    g = torch.Generator().manual_seed(5)
+    # Longer than the 8-token windows; few tokens: the interpreter runs every program.
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (40, 21)]
+    spec = SpecConfig(drafter="vegas", gamma=2, sparsity=0.1, min_tokens=4)
+    run = lambda **kw: generate(model, prompts, max_new_tokens=5, ignore_eos=True,  # noqa: E731
+                                **kw).tokens
+    monkeypatch.setenv("VEGAS_ATTENTION", "reference")
+    ref_vanilla, ref_spec = run(), run(spec=spec)
+    monkeypatch.setenv("VEGAS_ATTENTION", "triton")
+    monkeypatch.setenv("VEGAS_CUDA_GRAPHS", "static")
+    assert run() == ref_vanilla
+    assert run(spec=spec) == ref_spec == ref_vanilla

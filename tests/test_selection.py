@@ -63,6 +63,26 @@ def test_vegas_topk_matches_brute_force(collect, score, granularity):
     assert sel.tail_start.tolist() == prefix_len
 
 
+def test_a_hybrid_model_collects_and_selects_in_its_global_layers_only():
+    """Layers 0 and 2 slide (their drafts read their window): vegas asks for layer 1's
+    scores alone and ranks layer 1 alone, the same slots as over all three layers."""
+    spec = SpecConfig(collect="two", score="logit", granularity="layer")
+    drafter = make_drafter(spec, L, [1])
+    assert drafter.collect_layers == {1}
+    full = random_collector(3)
+    only = ScoreCollector({"logit"}, drafter.collect_layers)
+    only.logit[1] = full.logit[1]
+    prefix_len, budget, last_row = [33, 20], [7, 5], [2, 0]
+    sel = drafter.select(inputs(only, prefix_len, budget, last_row))
+    every = make_drafter(spec, L).select(inputs(full, prefix_len, budget, last_row))
+    assert sel.layers == (1,) and sel.indices.shape[0] == 1 and sel.row(1) == 0
+    for b in range(B):
+        n = int(sel.counts[0, b])
+        assert set(sel.indices[0, b, 0, :n].tolist()) == set(every.indices[1, b, 0, :n].tolist())
+    mask = sel.prefix_mask(1, S)
+    torch.testing.assert_close(mask, every.prefix_mask(1, S))
+
+
 def test_collector_keeps_the_verify_pass_scores():
     g = torch.Generator().manual_seed(1)
     cache = KVCache(1, 1, 16, 2, 4, dtype=torch.float64, device="cpu")

@@ -67,9 +67,12 @@ class ScoreCollector:
     (``row_weights`` [B, T], logit mode) the verify kernel sums them on the fly (fused);
     otherwise (weight mode, the last accepted row) a ``deferrable`` collector keeps each
     layer's queries and log-sum-exp, and ``reduce_deferred`` computes the scores once the
-    rows are known, reading K once more. ``scores_out`` [L, B, H_kv, S_max] is an
-    optional preallocated home for ``reduced`` (its slots past each sequence's last
-    position are left unwritten).
+    rows are known, reading K once more. ``scores_out`` [L', B, H_kv, S_max] is an
+    optional preallocated home for ``reduced``, one row per collected layer in order
+    (its slots past each sequence's last position are left unwritten).
+
+    ``layers``: the layers whose scores are kept (None: every layer); the kernel path
+    runs the others as plain verify attention.
     """
 
     def __init__(self, modes: set[str], layers: set[int] | None = None,
@@ -77,6 +80,7 @@ class ScoreCollector:
                  scores_out: torch.Tensor | None = None) -> None:
         self.modes = modes
         self.layers = layers
+        self._rows = None if layers is None else {l: i for i, l in enumerate(sorted(layers))}
         self.logit: dict[int, torch.Tensor] = {}
         self.weight: dict[int, torch.Tensor] = {}
         self.row_weights = row_weights
@@ -90,11 +94,20 @@ class ScoreCollector:
 
     @property
     def fusable(self) -> bool:
-        return self.modes == {"logit"} and self.row_weights is not None and self.layers is None
+        return self.modes == {"logit"} and self.row_weights is not None
 
     @property
     def deferrable(self) -> bool:
-        return self._deferrable and len(self.modes) == 1 and self.layers is None
+        return self._deferrable and len(self.modes) == 1
+
+    def collects(self, layer: int) -> bool:
+        return self.layers is None or layer in self.layers
+
+    def home(self, layer: int) -> torch.Tensor | None:
+        """``layer``'s row of ``scores_out`` [B, H_kv, S_max], or None without one."""
+        if self.scores_out is None:
+            return None
+        return self.scores_out[layer if self._rows is None else self._rows[layer]]
 
     def add(self, layer: int, scores: torch.Tensor, probs: torch.Tensor,
             mask: torch.Tensor) -> None:
@@ -112,7 +125,7 @@ class ScoreCollector:
 
         weight_mode = self.modes == {"weight"}
         for layer, (q, k, positions, lse, kv_len) in self.deferred.items():
-            out = self.scores_out[layer] if self.scores_out is not None else None
+            out = self.home(layer)
             self.reduced[layer] = collect_scores(q, k, positions, row_weights, kv_len,
                                                  lse if weight_mode else None, out=out)
 
@@ -121,10 +134,12 @@ class ScoreCollector:
 class SparseSelection:
     """Prefix slots a draft attends to, per layer and sequence, as index lists.
 
-    indices: [L, B, G, K] slot ids; G = 1 (one set per layer, shared by all heads) or
+    indices: [L', B, G, K] slot ids; G = 1 (one set per layer, shared by all heads) or
         G = H_kv (one set per KV head). Entries past ``counts`` are padding.
-    counts: [L, B] number of valid entries per (layer, sequence).
+    counts: [L', B] number of valid entries per (layer, sequence).
     tail_start: [B] slots in [tail_start, own position] are always attended.
+    layers: the model layers of the L' rows, in order; None: every layer (L' = L).
+        A hybrid model's sliding layers have no row: their drafts read their window.
     """
 
     indices: torch.Tensor
@@ -133,6 +148,11 @@ class SparseSelection:
     # A host-side lower bound of tail_start (0 is always safe), so that the key bound
     # below needs no read from the device.
     tail_floor: int = 0
+    layers: tuple[int, ...] | None = None
+
+    def row(self, layer: int) -> int:
+        """The row of ``indices`` and ``counts`` that holds ``layer``'s selection."""
+        return layer if self.layers is None else self.layers.index(layer)
 
     def max_keys(self, kv_len: int) -> int:
         """A static bound on any sequence's key count (selected + tail): it only caps
@@ -143,9 +163,10 @@ class SparseSelection:
                     k: torch.Tensor | None = None, positions: torch.Tensor | None = None
                     ) -> torch.Tensor:
         """Boolean [B, G, kv_len]: True where a prefix slot is selected."""
-        idx = self.indices[layer]  # [B, G, K]
+        row = self.row(layer)
+        idx = self.indices[row]  # [B, G, K]
         k = idx.shape[-1]
-        valid = (torch.arange(k, device=idx.device) < self.counts[layer][:, None, None]).expand_as(idx)
+        valid = (torch.arange(k, device=idx.device) < self.counts[row][:, None, None]).expand_as(idx)
         hits = torch.zeros(*idx.shape[:2], kv_len, dtype=torch.int32, device=idx.device)
         # scatter_add, not scatter: a padding entry may repeat a valid slot.
         hits.scatter_add_(-1, idx.clamp(0, kv_len - 1), valid.to(torch.int32))
@@ -316,8 +337,13 @@ def supported_head_dim(head_dim: int) -> bool:
 
 def kernels_serve(q: torch.Tensor, rows: int, sliding_window: SlidingWindow | None) -> bool:
     """Whether the Triton kernels can serve forwards of ``rows`` query rows of this
-    shape and device (the condition for capturing decode steps in CUDA graphs)."""
-    if sliding_window is not None or rows > MAX_KERNEL_ROWS or not kernels_enabled(q):
+    shape and device (the condition for capturing decode steps in CUDA graphs).
+    Hybrid models' sliding layers are served; a window over every layer (Mistral) is
+    not: its drafts select within the window, which the index-list kernel does not
+    bound."""
+    if rows > MAX_KERNEL_ROWS or not kernels_enabled(q):
+        return False
+    if sliding_window is not None and sliding_window.layers is None:
         return False
     return supported_head_dim(q.shape[-1])
 
@@ -325,27 +351,29 @@ def kernels_serve(q: torch.Tensor, rows: int, sliding_window: SlidingWindow | No
 def kernels_serve_model(config, device: torch.device, rows: int) -> bool:
     """``kernels_serve`` for forwards of ``rows`` rows of a model with this config (the
     condition for static, graph-captured steps)."""
-    if config.num_experts or config.attention_sinks:
-        # Expert routing waits on the host, and no kernel takes sinks: not capturable yet.
-        return False
     probe = torch.empty(0, config.num_heads, config.head_dim, device=device)
     return kernels_serve(probe, rows, config.window)
 
 
-def _kernel_attention(q, k, v, layer: int, meta: AttentionMeta) -> torch.Tensor | None:
+def _kernel_attention(q, k, v, layer: int, meta: AttentionMeta,
+                      sinks: torch.Tensor | None) -> torch.Tensor | None:
     """The Triton path where it covers the request, else None."""
     if not kernels_serve(q, q.shape[1], meta.sliding_window):
         return None
     collector = meta.collector
-    if meta.mode in ("full", "verify") and (
-            collector is None or collector.fusable or collector.deferrable):
+    if collector is not None and not collector.collects(layer):
+        collector = None
+    # A hybrid model's sliding layer drafts over its whole window, as a decode row does.
+    dense = meta.mode in ("full", "verify") or meta.drafts_whole_window(layer)
+    if dense and (collector is None or collector.fusable or collector.deferrable):
         from kernels.verify_attention import verify_attention
 
         fuse = collector is not None and collector.fusable
         weights = collector.row_weights if fuse else None
-        into = collector.scores_out[layer] if fuse and collector.scores_out is not None else None
+        into = collector.home(layer) if fuse else None
         out, lse, scores = verify_attention(q, k, v, meta.positions, meta.kv_len, weights,
-                                            scores_out=into)
+                                            scores_out=into, window=meta.window_of(layer),
+                                            sinks=sinks)
         if fuse:
             collector.reduced[layer] = scores
         elif collector is not None:
@@ -355,8 +383,9 @@ def _kernel_attention(q, k, v, layer: int, meta: AttentionMeta) -> torch.Tensor 
         from kernels.sparse_attention import sparse_attention
 
         sel = meta.sparse
-        return sparse_attention(q, k, v, meta.positions, sel.indices[layer], sel.counts[layer],
-                                sel.tail_start, sel.max_keys(meta.kv_len))
+        row = sel.row(layer)
+        return sparse_attention(q, k, v, meta.positions, sel.indices[row], sel.counts[row],
+                                sel.tail_start, sel.max_keys(meta.kv_len), sinks=sinks)
     return None
 
 
@@ -364,22 +393,21 @@ def attend(q: torch.Tensor, cache: KVCache, layer: int, meta: AttentionMeta,
            sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of q ([B, T, H, D]) over ``layer``'s cache as ``meta`` allows: fused
     SDPA for prefill chunks; the Triton kernels for decode and verify rows (selection
-    scores fused or deferred, see ``ScoreCollector``) and index-list drafts when enabled;
-    else the reference (query-dependent selections, collectors of the peer drafters,
-    sliding windows, attention ``sinks`` [H])."""
+    scores fused or deferred, see ``ScoreCollector``; sliding windows and attention
+    ``sinks`` [H]) and index-list drafts when enabled; else the reference
+    (query-dependent selections, collectors of the peer drafters, prefill chunks with
+    sinks)."""
     k, v = cache.layer(layer, meta.kv_len)
-    if sinks is not None:  # no kernel takes sinks yet
-        return _reference(q, k, v, layer, meta, sinks)
-    if (meta.block_start is not None and meta.window_of(layer) is None
-            and meta.collector is None and prefill_kernels_enabled()):
+    if (meta.block_start is not None and sinks is None and meta.collector is None
+            and prefill_kernels_enabled()):
         # Every prefill chunk, short ones too: no Triton kernel compiled per chunk shape.
         from kernels.prefill_attention import prefill_attention
 
-        return prefill_attention(q, k, v, meta.block_start)
-    out = _kernel_attention(q, k, v, layer, meta)
+        return prefill_attention(q, k, v, meta.block_start, meta.window_of(layer))
+    out = _kernel_attention(q, k, v, layer, meta, sinks)
     if out is not None:
         return out
-    return _reference(q, k, v, layer, meta)
+    return _reference(q, k, v, layer, meta, sinks)
 
 
 def _reference(q, k, v, layer: int, meta: AttentionMeta, sinks=None) -> torch.Tensor:

@@ -149,6 +149,16 @@ class ModelConfig:
                 and window.applies(layer))
 
     @property
+    def selection_layers(self) -> list[int]:
+        """The layers whose drafts attend to a selection: all but a hybrid model's
+        sliding layers (Gemma3, gpt-oss), whose windows are shorter than a budget worth
+        selecting. Where every layer slides (Mistral), drafts select within the window."""
+        window = self.window
+        if window is None or window.layers is None:
+            return list(range(self.num_layers))
+        return [i for i in range(self.num_layers) if i not in window.layers]
+
+    @property
     def group_size(self) -> int:
         """Query heads per KV head (GQA)."""
         return self.num_heads // self.num_kv_heads

@@ -150,7 +150,7 @@ def _decode_setup(model: LoadedModel, batch: int, capacity: int):
     if space is not None:
         cache = space.cache
         forward = space.get(("vanilla",), lambda: StaticForward(
-            net, cache, batch, 1, lambda pos: AttentionMeta.full(pos, cache.max_len),
+            net, cache, batch, 1, lambda pos: AttentionMeta.full(pos, cache.max_len, window),
             all_rows=False, device=dev, pool=space.pool))
         return cache, lambda tokens, positions, kv_len: forward(tokens, positions)
     cache = net.new_cache(batch, capacity)

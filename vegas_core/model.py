@@ -20,6 +20,12 @@ from vegas_core.attention import AttentionMeta, attend, kernels_enabled, support
 from vegas_core.cache import KVCache
 from vegas_core.config import ModelConfig
 
+# Tokens up to which a mixture runs on the grouped Triton kernel (kernels.moe) where the
+# kernels are enabled: decode, draft and verify forwards, up to a batch of 256 verifying
+# 16 rows. Longer forwards (prefill chunks) give each expert many tokens, and the
+# per-expert GEMMs of the eager loop serve them better.
+MOE_KERNEL_MAX_TOKENS = 4096
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
@@ -220,7 +226,9 @@ class MLP(nn.Module):
 class MixtureOfExperts(nn.Module):
     """Each token's MLP: its router's top experts (SwiGLU each), weighted by their
     routing probabilities. Only the experts some token of the batch routes to are run,
-    each once over the tokens routed to it."""
+    each once over the tokens routed to it: on the fused path by the grouped kernel,
+    which never waits on the host (so decode steps can be captured in CUDA graphs),
+    else by a loop over those experts."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -265,6 +273,13 @@ class MixtureOfExperts(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # [N, D]
         weights, chosen = self.route(x)  # [N, K]
+        if fused and x.shape[0] <= MOE_KERNEL_MAX_TOKENS:
+            from kernels.moe import moe
+
+            c = self.config
+            return moe(x, weights, chosen, self.experts_gate_up, self.experts_down,
+                       self.experts_gate_up_bias, self.experts_down_bias,
+                       c.expert_activation, c.swiglu_alpha, c.swiglu_limit).reshape(shape)
         out = torch.zeros_like(x)
         for e in chosen.unique().tolist():
             token, slot = (chosen == e).nonzero(as_tuple=True)

@@ -114,31 +114,36 @@ def collected_rows(collect: str, window_rows: int, last_row: torch.Tensor) -> to
     return rows
 
 
-def stacked_scores(collector: ScoreCollector, mode: str, num_layers: int) -> torch.Tensor:
-    """[L, B, H_kv, T, S] from the collector's per-layer dict."""
+def stacked_scores(collector: ScoreCollector, mode: str, layers: list[int]) -> torch.Tensor:
+    """[L', B, H_kv, T, S] of ``layers`` from the collector's per-layer dict."""
     per_layer = collector.logit if mode == "logit" else collector.weight
-    return torch.stack([per_layer[i] for i in range(num_layers)])
+    return torch.stack([per_layer[i] for i in layers])
 
 
 def vegas_scores(collector: ScoreCollector, rows: torch.Tensor, score: str,
-                 granularity: str, num_layers: int) -> torch.Tensor:
+                 granularity: str, layers: list[int]) -> torch.Tensor:
     """Sum the chosen rows' scores (over rows, and over KV heads for ``layer``
-    granularity): [L, B, G, S]."""
-    s = stacked_scores(collector, score, num_layers)  # [L, B, H_kv, T, S]
+    granularity): [L', B, G, S] for ``layers``."""
+    s = stacked_scores(collector, score, layers)  # [L', B, H_kv, T, S]
     summed = torch.einsum("lbkts,bt->lbks", s, rows.to(s.dtype))
     return summed.sum(dim=2, keepdim=True) if granularity == "layer" else summed
 
 
 class Drafter:
-    """Base: no selection scores needed, prefill window of gamma + 1 rows."""
+    """Base: no selection scores needed, prefill window of gamma + 1 rows.
+
+    ``layers``: the layers whose drafts attend to a selection (``ModelConfig.
+    selection_layers``; None: all); selections for the others are never read."""
 
     collect_modes: set[str] = set()
     collect_layers: set[int] | None = None
     prefill_rows = 0  # rows of the prefill window this drafter needs beyond gamma + 1
 
-    def __init__(self, spec: SpecConfig, num_layers: int) -> None:
+    def __init__(self, spec: SpecConfig, num_layers: int,
+                 layers: list[int] | None = None) -> None:
         self.spec = spec
         self.num_layers = num_layers
+        self.layers = list(range(num_layers)) if layers is None else list(layers)
 
     def select(self, inputs: SelectionInputs) -> object | None:
         raise NotImplementedError
@@ -170,13 +175,17 @@ class DenseDrafter(Drafter):
 
 
 class VegasDrafter(Drafter):
-    """Top-k of the verify pass's own scores (Collect-2-Query by default)."""
+    """Top-k of the verify pass's own scores (Collect-2-Query by default), in the layers
+    that select only: a hybrid model's sliding layers are neither collected nor ranked."""
 
     reads_reduced_scores = True
 
-    def __init__(self, spec: SpecConfig, num_layers: int) -> None:
-        super().__init__(spec, num_layers)
+    def __init__(self, spec: SpecConfig, num_layers: int,
+                 layers: list[int] | None = None) -> None:
+        super().__init__(spec, num_layers, layers)
         self.collect_modes = {spec.score}
+        self.every_layer = len(self.layers) == num_layers
+        self.collect_layers = None if self.every_layer else set(self.layers)
 
     def deferred_row_weights(self, window_rows: int, last_row: torch.Tensor) -> torch.Tensor:
         return collected_rows(self.spec.collect, window_rows, last_row)
@@ -192,22 +201,23 @@ class VegasDrafter(Drafter):
         c = inputs.collector
         # Only prefix slots are candidates: the kernels' score rows may run longer.
         span = max(inputs.longest_prefix(), 1)
-        if len(c.reduced) == self.num_layers:
+        if len(c.reduced) == len(self.layers):
             if c.scores_out is not None:
-                scores = c.scores_out[..., :span]  # [L, B, H_kv, S], no copy
+                scores = c.scores_out[..., :span]  # [L', B, H_kv, S], no copy
             else:
-                scores = torch.stack([c.reduced[i][..., :span] for i in range(self.num_layers)])
+                scores = torch.stack([c.reduced[i][..., :span] for i in self.layers])
             if self.spec.granularity == "layer":
                 scores = scores.sum(dim=2, keepdim=True)
         else:
             rows = collected_rows(self.spec.collect, inputs.window_rows, inputs.last_row)
             scores = vegas_scores(c, rows, self.spec.score, self.spec.granularity,
-                                  self.num_layers)
+                                  self.layers)
         if self.spec.window > 0:
             scores = _reserve_window(scores, inputs.prefix_len, inputs.budget, self.spec.window)
         k_max = inputs.largest_budget(self.spec.sparsity, self.spec.min_tokens)
         indices, counts = _topk_selection(scores, inputs.prefix_len, inputs.budget, k_max)
-        return SparseSelection(indices, counts, inputs.prefix_len.clone())
+        return SparseSelection(indices, counts, inputs.prefix_len.clone(),
+                               layers=None if self.every_layer else tuple(self.layers))
 
 
 class StreamingDrafter(Drafter):
@@ -234,8 +244,9 @@ class SnapKVDrafter(Drafter):
     collect_modes = {"weight"}
     prefill_rows = SNAPKV_WINDOW
 
-    def __init__(self, spec: SpecConfig, num_layers: int) -> None:
-        super().__init__(spec, num_layers)
+    def __init__(self, spec: SpecConfig, num_layers: int,
+                 layers: list[int] | None = None) -> None:
+        super().__init__(spec, num_layers, layers)
         self.fixed: SparseSelection | None = None
 
     def needs_scores(self, iteration: int) -> bool:
@@ -243,7 +254,7 @@ class SnapKVDrafter(Drafter):
 
     def select(self, inputs: SelectionInputs) -> SparseSelection:
         if self.fixed is None:
-            s = stacked_scores(inputs.collector, "weight", self.num_layers).sum(dim=3)
+            s = stacked_scores(inputs.collector, "weight", list(range(self.num_layers))).sum(dim=3)
             l, b, h, n = s.shape  # [L, B, H_kv, S]
             pooled = F.avg_pool1d(s.reshape(l * b * h, 1, n), SNAPKV_POOL, stride=1,
                                   padding=SNAPKV_POOL // 2, count_include_pad=False)
@@ -261,8 +272,9 @@ class SpecExtendDrafter(Drafter):
 
     collect_modes = {"weight"}
 
-    def __init__(self, spec: SpecConfig, num_layers: int) -> None:
-        super().__init__(spec, num_layers)
+    def __init__(self, spec: SpecConfig, num_layers: int,
+                 layers: list[int] | None = None) -> None:
+        super().__init__(spec, num_layers, layers)
         self.collect_layers = {num_layers - 1}
         self.current: SparseSelection | None = None
 
@@ -405,5 +417,7 @@ _DRAFTERS = {
 }
 
 
-def make_drafter(spec: SpecConfig, num_layers: int) -> Drafter:
-    return _DRAFTERS[spec.drafter](spec, num_layers)
+def make_drafter(spec: SpecConfig, num_layers: int, layers: list[int] | None = None) -> Drafter:
+    """The drafter ``spec`` names, for a model of ``num_layers`` whose drafts select in
+    ``layers`` (None: all)."""
+    return _DRAFTERS[spec.drafter](spec, num_layers, layers)

@@ -106,7 +106,8 @@ class SpeculativeSession:
         self.net = model.net
         self.dev = model.device
         self.window = model.config.window
-        self.drafter = make_drafter(spec, model.config.num_layers)
+        self.drafter = make_drafter(spec, model.config.num_layers,
+                                    model.config.selection_layers)
         self.batch = len(lengths)
         self.generator = torch.Generator(device=self.dev).manual_seed(params.seed)
         self.cache = cache
@@ -124,8 +125,11 @@ class SpeculativeSession:
         self.static = space is not None
         self._scores_out = None
         if self.drafter.reads_reduced_scores and kernels_serve_model(c, dev, 1):
-            # The kernels write each layer's row-summed scores here: no stack, no copy.
-            shape = (c.num_layers, self.batch, c.num_kv_heads, self.cache.max_len)
+            # The kernels write each selecting layer's row-summed scores here: no stack,
+            # no copy.
+            layers = self.drafter.collect_layers
+            shape = (c.num_layers if layers is None else len(layers), self.batch,
+                     c.num_kv_heads, self.cache.max_len)
             make = lambda: torch.empty(shape, dtype=torch.float32, device=dev)  # noqa: E731
             self._scores_out = self.space.get(("scores",), make) if self.static else make()
         self._active_key: tuple[bool, ...] | None = None
@@ -221,12 +225,12 @@ class SpeculativeSession:
         cap = self.cache.max_len
         if sel is None:
             return self.space.get(("draft-dense",), lambda: StaticForward(
-                self.net, self.cache, self.batch, 1, lambda pos: AttentionMeta.full(pos, cap),
+                self.net, self.cache, self.batch, 1, lambda pos: AttentionMeta.full(pos, cap, self.window),
                 all_rows=False, device=self.dev, pool=self.space.pool))
         staged = self._stage(sel)
         return self.space.get(("draft", id(staged)), lambda: StaticForward(
             self.net, self.cache, self.batch, 1,
-            lambda pos: AttentionMeta.draft(pos, cap, staged),
+            lambda pos: AttentionMeta.draft(pos, cap, staged, self.window),
             all_rows=False, device=self.dev, pool=self.space.pool))
 
     def _list_capacity(self) -> int:
@@ -240,10 +244,10 @@ class SpeculativeSession:
         long as the largest budget the cache's capacity allows."""
         l, b, g, k = sel.indices.shape
         k_cap = self._list_capacity()
-        staged = self.space.get(("selection", g, k_cap), lambda: SparseSelection(
+        staged = self.space.get(("selection", sel.layers, g, k_cap), lambda: SparseSelection(
             torch.zeros(l, b, g, k_cap, dtype=torch.long, device=self.dev),
             torch.zeros(l, b, dtype=torch.long, device=self.dev),
-            torch.zeros(b, dtype=torch.long, device=self.dev)))
+            torch.zeros(b, dtype=torch.long, device=self.dev), layers=sel.layers))
         if sel is not self._staged_from:  # a drafter may keep its selection
             staged.indices[..., :k].copy_(sel.indices)
             staged.counts.copy_(sel.counts)
@@ -271,9 +275,9 @@ class SpeculativeSession:
             return self.net.logits(self.net(tokens, positions, self.cache, meta)), collector
         if collector is not None:
             collector.static = True  # its tensors are the graph's outputs
-        cap = self.cache.max_len
+        cap, window = self.cache.max_len, self.window
         forward = StaticForward(self.net, self.cache, self.batch, rows,
-                                lambda pos: AttentionMeta.verify(pos, cap, collector=collector),
+                                lambda pos: AttentionMeta.verify(pos, cap, window, collector),
                                 all_rows=True, device=self.dev, pool=self.space.pool)
         self.space.put(key, (forward, collector))
         return forward(tokens, positions), collector

@@ -1,0 +1,37 @@
+"""The benchmarks' floors, on the CPU: what a decode step must read."""
+
+from __future__ import annotations
+
+import torch
+
+from vegas_core import load_model
+
+
+def test_a_decode_steps_floor_counts_routed_experts_and_sliding_windows(tiny_hf):
+    from bench.steps import experts_read, kv_bytes_read, weight_bytes_read
+    from vegas_core.model import MixtureOfExperts
+
+    path, _ = tiny_hf("gpt_oss")  # 8 experts, top 2; layers 0 and 2 slide over 8 slots
+    model = load_model(str(path), device="cpu", dtype="float32")
+    net, config = model.net, model.config
+    cache = net.new_cache(2, 64)
+    cache.lengths.fill_(40)
+    routed = experts_read(model, cache, torch.tensor([[5], [9]]), cache.lengths[:, None])
+    moe_layers = [i for i, b in enumerate(net.layers) if isinstance(b.mlp, MixtureOfExperts)]
+    assert sorted(routed) == moe_layers and all(2 <= n <= 4 for n in routed.values())
+
+    every = weight_bytes_read(net)
+    assert weight_bytes_read(net, {i: 8 for i in moe_layers}) == every
+    embeddings = net.embed_tokens.weight.numel() * 4
+    assert every == sum(p.numel() * 4 for p in net.parameters()) - embeddings
+    per_expert = sum(t.numel() * 4 for t in (net.layers[0].mlp.experts_gate_up,
+                                             net.layers[0].mlp.experts_down,
+                                             net.layers[0].mlp.experts_gate_up_bias,
+                                             net.layers[0].mlp.experts_down_bias)) // 8
+    one_each = weight_bytes_read(net, {i: 1 for i in moe_layers})
+    assert every - one_each == 7 * per_expert * len(moe_layers)
+
+    per_token = 2 * config.num_kv_heads * config.head_dim * 4
+    windows = [8 if config.window.applies(i) else 40 for i in range(config.num_layers)]
+    assert windows == [8, 40, 8]
+    assert kv_bytes_read(config, 40, 2, dtype_bytes=4) == per_token * 2 * sum(windows)
