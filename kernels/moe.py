@@ -135,6 +135,28 @@ if triton is not None:
         return tl.dot(a, tl.trans(b))
 
     @triton.jit
+    def _rows_dot(a_rows, a_ok, b_rows, b_ok, n, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+                  BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+        """sum over k < n of a[m, k] * b[c, k] -> [BLOCK_M, BLOCK_C] float32, for row
+        pointers a_rows [BLOCK_M, 1] and b_rows [BLOCK_C, 1] (masked by a_ok, b_ok)."""
+        ks = tl.arange(0, BLOCK_K)
+        acc = tl.zeros([BLOCK_M, BLOCK_C], tl.float32)
+        for k0 in range(0, n, BLOCK_K):
+            k_ok = (k0 + ks < n)[None, :]
+            a = tl.load(a_rows + k0 + ks[None, :], mask=a_ok[:, None] & k_ok, other=0.0)
+            b = tl.load(b_rows + k0 + ks[None, :], mask=b_ok[:, None] & k_ok, other=0.0)
+            acc += _dot_t(a, b, IEEE)
+        return acc
+
+    @triton.jit
+    def _pair_block(ORDER, start, count, m0, BLOCK_M: tl.constexpr):
+        """Block m0 of an expert's pairs: (valid rows, sorted positions, pair ids)."""
+        rows = tl.arange(0, BLOCK_M)
+        row_ok = m0 + rows < count
+        sorted_pos = start + m0 + rows
+        return row_ok, sorted_pos, tl.load(ORDER + sorted_pos, mask=row_ok, other=0)
+
+    @triton.jit
     def _gate_up_kernel(X, ORDER, COUNTS, STARTS, W, BIAS, HIDDEN,
                         D, F, sx_n, sw_e, sw_r, sb_e, sh_p, alpha, limit,
                         K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr,
@@ -156,25 +178,11 @@ if triton is not None:
         if HAS_BIAS:
             b_gate = tl.load(BIAS + e * sb_e + cols, mask=col_ok, other=0.0).to(tl.float32)
             b_up = tl.load(BIAS + e * sb_e + F + cols, mask=col_ok, other=0.0).to(tl.float32)
-        rows = tl.arange(0, BLOCK_M)
-        ks = tl.arange(0, BLOCK_K)
         for m0 in range(0, count, BLOCK_M):
-            row_ok = m0 + rows < count
-            sorted_pos = start + m0 + rows
-            pair = tl.load(ORDER + sorted_pos, mask=row_ok, other=0)
+            row_ok, sorted_pos, pair = _pair_block(ORDER, start, count, m0, BLOCK_M)
             x_rows = X + (pair // K).to(tl.int64)[:, None] * sx_n  # [BLOCK_M, 1]
-            gate = tl.zeros([BLOCK_M, BLOCK_F], tl.float32)
-            up = tl.zeros([BLOCK_M, BLOCK_F], tl.float32)
-            for k0 in range(0, D, BLOCK_K):
-                k_ok = (k0 + ks < D)[None, :]
-                xt = tl.load(x_rows + k0 + ks[None, :], mask=row_ok[:, None] & k_ok,
-                             other=0.0)  # [BLOCK_M, BLOCK_K]
-                wg = tl.load(w_gate + k0 + ks[None, :], mask=col_ok[:, None] & k_ok,
-                             other=0.0)  # [BLOCK_F, BLOCK_K]
-                wu = tl.load(w_up + k0 + ks[None, :], mask=col_ok[:, None] & k_ok,
-                             other=0.0)
-                gate += _dot_t(xt, wg, IEEE)
-                up += _dot_t(xt, wu, IEEE)
+            gate = _rows_dot(x_rows, row_ok, w_gate, col_ok, D, BLOCK_M, BLOCK_F, BLOCK_K, IEEE)
+            up = _rows_dot(x_rows, row_ok, w_up, col_ok, D, BLOCK_M, BLOCK_F, BLOCK_K, IEEE)
             if HAS_BIAS:
                 gate += b_gate[None, :]
                 up += b_up[None, :]
@@ -206,21 +214,10 @@ if triton is not None:
         w_rows = W + e.to(tl.int64) * sw_e + dims[:, None] * sw_r  # [BLOCK_D, 1]
         if HAS_BIAS:
             bias = tl.load(BIAS + e * sb_e + dims, mask=dim_ok, other=0.0).to(tl.float32)
-        rows = tl.arange(0, BLOCK_M)
-        ks = tl.arange(0, BLOCK_K)
         for m0 in range(0, count, BLOCK_M):
-            row_ok = m0 + rows < count
-            sorted_pos = start + m0 + rows
-            pair = tl.load(ORDER + sorted_pos, mask=row_ok, other=0)
+            row_ok, sorted_pos, pair = _pair_block(ORDER, start, count, m0, BLOCK_M)
             h_rows = HIDDEN + sorted_pos[:, None] * sh_p  # [BLOCK_M, 1]
-            acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-            for k0 in range(0, F, BLOCK_K):
-                k_ok = (k0 + ks < F)[None, :]
-                ht = tl.load(h_rows + k0 + ks[None, :], mask=row_ok[:, None] & k_ok,
-                             other=0.0)  # [BLOCK_M, BLOCK_K]
-                wt = tl.load(w_rows + k0 + ks[None, :], mask=dim_ok[:, None] & k_ok,
-                             other=0.0)  # [BLOCK_D, BLOCK_K]
-                acc += _dot_t(ht, wt, IEEE)
+            acc = _rows_dot(h_rows, row_ok, w_rows, dim_ok, F, BLOCK_M, BLOCK_D, BLOCK_K, IEEE)
             if HAS_BIAS:
                 acc += bias[None, :]
             route_w = tl.load(ROUTE_W + pair, mask=row_ok, other=0.0).to(tl.float32)

@@ -48,6 +48,22 @@ def test_sliding_window_prefill_matches_the_reference(monkeypatch, start, window
                                rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("start, window", [(0, None), (37, None), (0, 16), (300, 64)])
+def test_prefill_with_attention_sinks_matches_the_reference(monkeypatch, start, window):
+    """gpt-oss's sinks through the fused path (a sink slot reached by extra head dims),
+    with and without a sliding window, against the reference's softmax with the sink."""
+    import kernels.prefill_attention as module
+
+    monkeypatch.setattr(module, "WINDOW_BLOCK_ROWS", 48)
+    q, k, v = random_block(2, 130, 4, 2, 16, start, torch.float64, "cpu", seed=start + 1)
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    got = prefill_attention(q, k, v, start, window, sinks)
+    assert got.shape == q.shape
+    want = reference_prefill_attention(q, k, v, start, window, sinks)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    assert not torch.allclose(want, reference_prefill_attention(q, k, v, start, window))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("start", [0, 200])
 def test_prefill_attention_in_half_precision_is_close_to_float32(device, start):
@@ -58,6 +74,10 @@ def test_prefill_attention_in_half_precision_is_close_to_float32(device, start):
         want = reference_prefill_attention(q.float(), k.float(), v.float(), start)
         got = prefill_attention(q, k, v, start).float()
         # bf16 inputs, float32 accumulation: errors of a few bf16 ulps of values below 1
+        assert (got - want).abs().max().item() < 2e-2
+        sinks = torch.linspace(-2, 3, h, device=device)  # the bf16 sink slot: as precise
+        want = reference_prefill_attention(q.float(), k.float(), v.float(), start, None, sinks)
+        got = prefill_attention(q, k, v, start, None, sinks).float()
         assert (got - want).abs().max().item() < 2e-2
 
 

@@ -80,7 +80,7 @@ class ScoreCollector:
                  scores_out: torch.Tensor | None = None) -> None:
         self.modes = modes
         self.layers = layers
-        self._rows = None if layers is None else {l: i for i, l in enumerate(sorted(layers))}
+        self._rows = None if layers is None else {n: i for i, n in enumerate(sorted(layers))}
         self.logit: dict[int, torch.Tensor] = {}
         self.weight: dict[int, torch.Tensor] = {}
         self.row_weights = row_weights
@@ -166,7 +166,8 @@ class SparseSelection:
         row = self.row(layer)
         idx = self.indices[row]  # [B, G, K]
         k = idx.shape[-1]
-        valid = (torch.arange(k, device=idx.device) < self.counts[row][:, None, None]).expand_as(idx)
+        counts = self.counts[row][:, None, None]
+        valid = (torch.arange(k, device=idx.device) < counts).expand_as(idx)
         hits = torch.zeros(*idx.shape[:2], kv_len, dtype=torch.int32, device=idx.device)
         # scatter_add, not scatter: a padding entry may repeat a valid slot.
         hits.scatter_add_(-1, idx.clamp(0, kv_len - 1), valid.to(torch.int32))
@@ -395,15 +396,13 @@ def attend(q: torch.Tensor, cache: KVCache, layer: int, meta: AttentionMeta,
     SDPA for prefill chunks; the Triton kernels for decode and verify rows (selection
     scores fused or deferred, see ``ScoreCollector``; sliding windows and attention
     ``sinks`` [H]) and index-list drafts when enabled; else the reference
-    (query-dependent selections, collectors of the peer drafters, prefill chunks with
-    sinks)."""
+    (query-dependent selections, collectors of the peer drafters)."""
     k, v = cache.layer(layer, meta.kv_len)
-    if (meta.block_start is not None and sinks is None and meta.collector is None
-            and prefill_kernels_enabled()):
+    if meta.block_start is not None and meta.collector is None and prefill_kernels_enabled():
         # Every prefill chunk, short ones too: no Triton kernel compiled per chunk shape.
         from kernels.prefill_attention import prefill_attention
 
-        return prefill_attention(q, k, v, meta.block_start, meta.window_of(layer))
+        return prefill_attention(q, k, v, meta.block_start, meta.window_of(layer), sinks)
     out = _kernel_attention(q, k, v, layer, meta, sinks)
     if out is not None:
         return out

@@ -225,7 +225,8 @@ class SpeculativeSession:
         cap = self.cache.max_len
         if sel is None:
             return self.space.get(("draft-dense",), lambda: StaticForward(
-                self.net, self.cache, self.batch, 1, lambda pos: AttentionMeta.full(pos, cap, self.window),
+                self.net, self.cache, self.batch, 1,
+                lambda pos: AttentionMeta.full(pos, cap, self.window),
                 all_rows=False, device=self.dev, pool=self.space.pool))
         staged = self._stage(sel)
         return self.space.get(("draft", id(staged)), lambda: StaticForward(
