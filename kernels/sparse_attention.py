@@ -22,8 +22,8 @@ import math
 
 import torch
 
-from kernels.verify_attention import (BLOCK_N, block_rows, merge_partials, split_buffers,
-                                      splits_for)
+from kernels.verify_attention import (BLOCK_N, SPLIT_WARPS, block_rows, merge_partials,
+                                      split_buffers, split_stages, splits_for)
 
 try:
     import triton
@@ -138,6 +138,7 @@ def sparse_attention(q, k, v, positions, indices, counts, tail_start, max_keys: 
         splits, 1.0 / math.sqrt(d),
         H_KV=h_kv, G=g, PER_HEAD=indices.shape[1] > 1, D=d, BLOCK_M=block_rows(g),
         BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32,
+        num_warps=SPLIT_WARPS, num_stages=split_stages(d),
     )
     out = torch.empty(b, 1, h, d, device=dev, dtype=q.dtype)
     merge_partials(partials, out, None, h_kv, g, 1, sinks)

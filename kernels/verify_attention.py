@@ -59,6 +59,14 @@ MIN_HEAD_DIM = 16  # and a reduction of at least 16
 RESIDENT_PER_SM = 2
 SPLIT_WARPS = 4  # launch options of the split kernels (Triton's defaults)
 SPLIT_STAGES = 3
+# Head dims above this (Gemma3's 256) pipeline two K/V tiles, not three: three 64 x 256
+# bf16 K and V tiles take 192 KiB of shared memory, near an H200 SM's 227 KiB.
+WIDE_HEAD_DIM = 128
+
+
+def split_stages(d: int) -> int:
+    """Pipeline stages of the split kernels for head dim ``d``."""
+    return SPLIT_STAGES if d <= WIDE_HEAD_DIM else SPLIT_STAGES - 1
 MERGE_MAX_LANES = 128  # splits a merge program reads at once (independent loads in flight)
 MERGE_TILE = 4096  # elements of a merge program's [lanes, rows, dims] running sums
 MERGE_MIN_DIMS = 16  # narrowest slice of the head dim one merge program takes
@@ -417,7 +425,7 @@ def verify_attention(q, k, v, positions, kv_len: int, row_weights=None, *, score
         kv_len, NO_WINDOW if window is None else window, splits, 1.0 / math.sqrt(d),
         H_KV=h_kv, G=g, T=t, D=d, BLOCK_M=block_rows(g * t), BLOCK_N=BLOCK_N,
         COLLECT=collect, IEEE=q.dtype == torch.float32,
-        num_warps=SPLIT_WARPS, num_stages=SPLIT_STAGES,
+        num_warps=SPLIT_WARPS, num_stages=split_stages(d),
     )
     out = torch.empty(b, t, h, d, device=dev, dtype=q.dtype)
     lse = torch.empty(b, t, h, device=dev, dtype=torch.float32)
