@@ -198,7 +198,8 @@ def test_reference_sinks_are_a_slot_with_no_value():
     kh = k.repeat_interleave(2, dim=1)  # [B, H, S, D]
     vh = v.repeat_interleave(2, dim=1)
     logits = qh @ kh.transpose(-1, -2) / d ** 0.5  # [B, H, T, S]
-    logits = logits.masked_fill(torch.arange(40) > positions[:, None, :, None], float("-inf"))
+    unseen = torch.arange(40, device=q.device) > positions[:, None, :, None]
+    logits = logits.masked_fill(unseen, float("-inf"))
     logits = torch.cat([sinks.view(1, h, 1, 1).expand(b, h, t, 1), logits], dim=-1)
     probs = logits.softmax(-1)
     expected = (probs[..., 1:] @ vh).permute(0, 2, 1, 3)
