@@ -723,3 +723,18 @@ def test_dense_drafts_with_a_stale_speculative_config_are_refused():
         profile_from_dict(data, source="mem")
     assert_one_line(error, "mem: invalid profile: exports.vllm.speculative_config_json: "
                            "expected null")
+
+
+COMMITTED = sorted((Path(__file__).resolve().parents[1] / "profiles").glob("*/*.yaml"))
+
+
+@pytest.mark.parametrize("path", COMMITTED, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_every_committed_profile_loads_and_exports(path):
+    """The profiles in profiles/ are what users copy: each still loads under the current
+    schema (older ones through their upgrade) and exports for vLLM."""
+    from vegas_tune.export import render_export
+
+    profile = load_profile(path)
+    assert profile.schedule
+    text = render_export(profile, "vllm", "yaml", force=True)
+    assert "max-model-len" in yaml.safe_load(text)
