@@ -28,8 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from vegas_core import SpecConfig, generate, load_model  # noqa: E402
-from vegas_core.selection import draft_budget  # noqa: E402
-from vegas_core.spec_config import DRAFTERS, SCORES  # noqa: E402
+from vegas_core.spec_config import DRAFTERS, SCORES, draft_budget  # noqa: E402
 from vegas_tune.datasets import embedded_prompts  # noqa: E402
 
 
@@ -77,8 +76,7 @@ def run(args, out: Path) -> list[dict]:
                         rows.append(dict(
                             dataset=dataset, prompt=prompt.name, ctx=ctx, drafter=label,
                             sparsity=sparsity, gamma=args.gamma,
-                            budget=int(draft_budget(torch.tensor([ctx]), sparsity,
-                                                    args.min_tokens)),
+                            budget=draft_budget(ctx, sparsity, args.min_tokens),
                             mean_accepted_length=s.mean_accepted_length,
                             acceptance_by_position=s.acceptance_by_position,
                             iterations=s.iterations,

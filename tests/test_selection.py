@@ -109,6 +109,14 @@ def test_budget_rule():
     assert draft_budget(torch.tensor([8000]), 0.05, 256).tolist() == [400]
 
 
+@pytest.mark.parametrize("sparsity, min_tokens", [(0.05, 16), (0.1023, 256), (0.3, 1), (1.0, 0)])
+def test_budget_rule_is_the_same_on_the_host_and_on_tensors(sparsity, min_tokens):
+    """Static sizes and the cost model use host ints, drafters tensors: one rule."""
+    lengths = [0, 1, 7, 255, 256, 2500, 8000, 32137, 131072]
+    on_device = draft_budget(torch.tensor(lengths), sparsity, min_tokens).tolist()
+    assert on_device == [draft_budget(n, sparsity, min_tokens) for n in lengths]
+
+
 def test_budget_covering_the_prefix_selects_all_of_it():
     c = random_collector(2)
     sel = make_drafter(SpecConfig(), L).select(inputs(c, [12, 9], [12, 9], [0, 0]))

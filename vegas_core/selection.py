@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from vegas_core.spec_config import SpecConfig
+from vegas_core.spec_config import SpecConfig, draft_budget
 from vegas_core.attention import ScoreCollector, SparseSelection
 
 # MagicDec-Stream: attention-sink tokens kept at the start of the prefix.
@@ -27,12 +27,6 @@ SNAPKV_POOL = 5
 # SpecExtend-style retrieval: chunk size and refresh period (iterations).
 SPECEXTEND_CHUNK = 32
 SPECEXTEND_REFRESH = 8
-
-
-def draft_budget(prefix_len: torch.Tensor, sparsity: float, min_tokens: int) -> torch.Tensor:
-    """Per-sequence budget: max(min_tokens, ceil(sparsity * prefix_len)), <= prefix_len."""
-    ratio = torch.ceil(prefix_len.double() * sparsity).long()
-    return torch.minimum(torch.clamp(ratio, min=min_tokens), prefix_len)
 
 
 @dataclass
@@ -62,8 +56,7 @@ class SelectionInputs:
 
     def largest_budget(self, sparsity: float, min_tokens: int) -> int:
         """max(budget) from the host-side prefix bound: the budget grows with the prefix."""
-        n = self.longest_prefix()
-        return min(max(min_tokens, math.ceil(n * sparsity)), n)
+        return draft_budget(self.longest_prefix(), sparsity, min_tokens)
 
 
 def _topk_selection(scores: torch.Tensor, prefix_len: torch.Tensor, budget: torch.Tensor,

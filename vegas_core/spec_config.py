@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
+from typing import TypeVar
+
+import torch
 
 from vegas_core.errors import VegasError
 
@@ -15,6 +19,19 @@ MAX_WINDOW = 0.75
 # Most draft tokens per iteration the engine accepts (the verify pass has gamma + 1 rows);
 # profiles are checked against it too.
 MAX_GAMMA = 64
+
+
+Length = TypeVar("Length", int, torch.Tensor)
+
+
+def draft_budget(prefix_len: Length, sparsity: float, min_tokens: int) -> Length:
+    """The draft budget, the one rule every drafter, bound and cost estimate uses:
+    ``max(min_tokens, ceil(sparsity * prefix_len))``, at most ``prefix_len``. Takes a
+    host int (static sizes, the cost model) or a tensor of per-sequence lengths."""
+    if torch.is_tensor(prefix_len):
+        ratio = torch.ceil(prefix_len.double() * sparsity).long()
+        return torch.minimum(torch.clamp(ratio, min=min_tokens), prefix_len)
+    return min(max(min_tokens, math.ceil(sparsity * prefix_len)), prefix_len)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,6 @@ pending token (accepted, not yet in the cache). An iteration
 
 from __future__ import annotations
 
-import math
 import time
 
 import torch
@@ -237,8 +236,7 @@ class SpeculativeSession:
     def _list_capacity(self) -> int:
         """Index-list length of the static selection: the budget at full capacity.
         Longer lists (SpecExtend's whole chunks under small budgets) run eagerly."""
-        cap = self.cache.max_len
-        return min(max(self.spec.min_tokens, math.ceil(self.spec.sparsity * cap)), cap)
+        return draft_budget(self.cache.max_len, self.spec.sparsity, self.spec.min_tokens)
 
     def _stage(self, sel: SparseSelection) -> SparseSelection:
         """Copy a selection into the static one a draft graph reads; its index list is as

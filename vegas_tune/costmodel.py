@@ -35,8 +35,9 @@ construction.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+
+from vegas_core.spec_config import draft_budget
 
 
 @dataclass(frozen=True)
@@ -99,8 +100,7 @@ class StepCosts:
 def budget_share(sparsity: float, min_tokens: int, prefix_len: int) -> float:
     """The share of a ``prefix_len`` prefix a draft reads: the engine's budget
     ``max(min_tokens, ceil(sparsity * prefix_len))``, at most the prefix."""
-    budget = max(min_tokens, math.ceil(sparsity * prefix_len))
-    return min(budget, prefix_len) / prefix_len
+    return draft_budget(prefix_len, sparsity, min_tokens) / prefix_len
 
 
 def draft_read_share(sparsity: float, min_tokens: int, prefix_len: int,
