@@ -21,10 +21,10 @@ MAX_WINDOW = 0.75
 MAX_GAMMA = 64
 
 
-Length = TypeVar("Length", int, torch.Tensor)
+_Length = TypeVar("_Length", int, torch.Tensor)
 
 
-def draft_budget(prefix_len: Length, sparsity: float, min_tokens: int) -> Length:
+def draft_budget(prefix_len: _Length, sparsity: float, min_tokens: int) -> _Length:
     """The draft budget, the one rule every drafter, bound and cost estimate uses:
     ``max(min_tokens, ceil(sparsity * prefix_len))``, at most ``prefix_len``. Takes a
     host int (static sizes, the cost model) or a tensor of per-sequence lengths."""

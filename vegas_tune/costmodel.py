@@ -99,7 +99,7 @@ class StepCosts:
 
 def budget_share(sparsity: float, min_tokens: int, prefix_len: int) -> float:
     """The share of a ``prefix_len`` prefix a draft reads: the engine's budget
-    ``max(min_tokens, ceil(sparsity * prefix_len))``, at most the prefix."""
+    (``draft_budget``) over the prefix."""
     return draft_budget(prefix_len, sparsity, min_tokens) / prefix_len
 
 
