@@ -14,6 +14,7 @@ lengths stay on the device and the kernels size their work from them.
 
 from __future__ import annotations
 
+import gc
 import os
 import weakref
 from collections.abc import Callable
@@ -86,8 +87,18 @@ class StepGraph:
                 self.body()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self.outputs = self.body()
+        # Dead sessions can hold graphs and buffers in reference cycles (tuning makes
+        # one session per trial): collect them now, and keep the collector from freeing
+        # them in the middle of the capture, where no free or sync may touch the device.
+        gc.collect()
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.outputs = self.body()
+        finally:
+            if collecting:
+                gc.enable()
         self.graph = graph
 
 
