@@ -1,7 +1,9 @@
 """Whole decode steps and Vegas iterations against the memory-bandwidth floor.
 
 Random weights of a real model's shape (bf16) and a KV cache filled with random values to
-``ctx`` tokens per sequence; no prefill. For each (model, ctx, batch) that fits in memory:
+``ctx`` tokens per sequence, recorded as holding random prompts, so that a session on
+those prompts computes no prefill (only its first verify window). For each (model, ctx,
+batch) that fits in memory:
 
 - the device-to-device copy bandwidth, measured once in the same run;
 - a vanilla decode step (one CUDA-graph replay: every layer, the LM head) against its
@@ -154,16 +156,15 @@ def vanilla_step_seconds(model, cache, tokens: torch.Tensor) -> float:
     return statistics.median(times)
 
 
-def iteration_seconds(model, cache, ctx: int, spec) -> dict:
-    """Median wall time of an iteration (host sync included) and of each phase."""
+def iteration_seconds(model, prompts: list[list[int]], spec) -> dict:
+    """Median wall time of an iteration (host sync included) and of each phase, on
+    ``prompts`` that the model's kept cache holds already."""
     from vegas_core.sampling import SamplingParams
     from vegas_core.speculative import SpeculativeSession
 
-    dev = model.device
-    b = cache.batch_size
-    cache.lengths.fill_(ctx)
-    window = torch.randint(0, model.config.vocab_size, (b, spec.gamma + 1), device=dev)
-    session = SpeculativeSession.from_cache(model, cache, window, spec, SamplingParams())
+    b = len(prompts)
+    new_tokens = (spec.gamma + 1) * (ITERATIONS + WARMUP_ITERATIONS)
+    session = SpeculativeSession(model, prompts, spec, SamplingParams(), new_tokens)
     walls, phases = [], {k: [] for k in session.timers}
     for i in range(ITERATIONS + WARMUP_ITERATIONS):
         before = dict(session.timers)
@@ -187,6 +188,8 @@ def run(args, save) -> dict:
     import triton
 
     from vegas_core import SpecConfig, load_model
+    from vegas_core.cache import PromptSlots
+    from vegas_core.graphs import release_workspace, workspace
 
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", file=sys.stderr, flush=True)
@@ -195,7 +198,8 @@ def run(args, save) -> dict:
               "triton": triton.__version__, "command": "python " + shlex.join(sys.argv),
               "copy_bandwidth": bandwidth, "gamma": args.gamma, "sparsity": args.sparsity,
               "min_tokens": args.min_tokens, "rows": []}
-    # Room for the iterations to come: each advances a sequence by at most gamma + 1.
+    # Room for the iterations to come (each advances a sequence by at most gamma + 1) and
+    # for a session's last one.
     margin = (args.gamma + 1) * (ITERATIONS + WARMUP_ITERATIONS + 2)
     for name in args.models:
         model = load_model(f"dummy:{name}", device="cuda", dtype="bfloat16")
@@ -211,14 +215,17 @@ def run(args, save) -> dict:
                     result["rows"].append(row)
                     print(f"{name} ctx={ctx} B={b}: {row['skipped']}", file=sys.stderr, flush=True)
                     continue
-                cache = model.net.new_cache(b, ctx + margin)
+                # The model's kept cache, as generate() and the sessions below find it.
+                cache = workspace(model.net, b, ctx + margin, model.device).cache
                 gen = torch.Generator(device="cuda").manual_seed(ctx + b)
                 for layer in range(model.config.num_layers):
                     cache.k[layer].normal_(generator=gen)
                     cache.v[layer].normal_(generator=gen)
                 cache.lengths.fill_(ctx)
-                tokens = torch.randint(0, model.config.vocab_size, (b, 1), device="cuda",
-                                       generator=gen)
+                ids = torch.randint(0, model.config.vocab_size, (b, ctx + 1), device="cuda",
+                                    generator=gen)
+                prompts, tokens = ids[:, :ctx].tolist(), ids[:, ctx:]
+                cache.prompts = [PromptSlots(p) for p in prompts]
                 routed = experts_read(model, cache, tokens, cache.lengths[:, None].clone())
                 floor = (weight_bytes_read(model.net, routed)
                          + kv_bytes_read(model.config, ctx, b)) / bandwidth
@@ -229,11 +236,12 @@ def run(args, save) -> dict:
                 for drafter in args.drafters:
                     spec = SpecConfig(drafter=drafter, gamma=args.gamma, sparsity=args.sparsity,
                                       min_tokens=args.min_tokens)
-                    row[drafter] = iteration_seconds(model, cache, ctx, spec)
+                    row[drafter] = iteration_seconds(model, prompts, spec)
                 result["rows"].append(row)
                 save(result)  # a run cut short keeps its finished rows
                 print(json.dumps(row), file=sys.stderr, flush=True)
                 del cache
+                release_workspace(model.net)
                 gc.collect()
                 torch.cuda.empty_cache()
         del model

@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("triton", reason="the fast path needs Triton")
 
 from vegas_core import SpecConfig, generate  # noqa: E402
-from vegas_core.attention import ScoreCollector  # noqa: E402
+from vegas_core.scores import ScoreCollector  # noqa: E402
 from vegas_core.sampling import SamplingParams  # noqa: E402
 from vegas_core.speculative import SpeculativeSession  # noqa: E402
 from tests.test_engine import tiny_model  # noqa: E402
@@ -33,6 +33,18 @@ NEW_TOKENS = 10
 def use(monkeypatch, env: dict) -> None:
     for key, value in env.items():
         monkeypatch.setenv(key, value)
+
+
+def finished_collectors(monkeypatch) -> list[ScoreCollector]:
+    """Every collector whose scores a drafter is handed from now on, in order."""
+    seen, finish = [], ScoreCollector.finish
+
+    def spy(self, rows):
+        seen.append(self)
+        return finish(self, rows)
+
+    monkeypatch.setattr(ScoreCollector, "finish", spy)
+    return seen
 
 
 @pytest.fixture(scope="module")
@@ -85,16 +97,16 @@ def test_deferred_scores_select_what_the_reference_selects(model, collect, score
     the selection equals the reference path's, which keeps per-row tensors."""
     spec = SpecConfig(gamma=3, sparsity=0.1, min_tokens=4, collect=collect, score=score,
                       granularity=granularity)
-    sessions = {}
+    sessions, collectors = {}, finished_collectors(monkeypatch)
     for name, env in (("reference", REFERENCE), ("fast", FAST)):
         use(monkeypatch, env)
         session = SpeculativeSession(model, PROMPTS, spec, SamplingParams(), 8, prefill_chunk=32)
         session.step([True, True])
         sessions[name] = session
-    fast = sessions["fast"].last_collector
+    fast = collectors[-1]  # the fast session's verify
     layers = model.config.num_layers
-    assert len(fast.deferred) == layers and len(fast.reduced) == layers
-    assert not fast.logit and not fast.weight  # no per-row tensor was kept
+    assert len(fast._deferred) == layers and len(fast._summed) == layers
+    assert not fast._per_row  # no per-row tensor was kept
     ref, got = sessions["reference"].selection, sessions["fast"].selection
     assert torch.equal(ref.counts, got.counts)
     for layer, b in itertools.product(range(layers), range(2)):
@@ -104,24 +116,35 @@ def test_deferred_scores_select_what_the_reference_selects(model, collect, score
                     == set(got.indices[layer, b, g, :n].tolist()))
 
 
-def test_session_from_a_filled_cache_continues_like_a_prefilled_one(model, monkeypatch):
-    """from_cache (benchmarks fill long caches without a prefill) decodes exactly as a
-    session that prefilled the same prompts."""
+def test_a_session_on_prompts_the_kept_cache_holds_computes_only_its_window(model,
+                                                                            monkeypatch):
+    """How benchmarks time long contexts without a prefill: K/V put into the model's
+    kept cache by other means and its rows' prompts recorded. A session on those prompts
+    computes only its first verify window and decodes as one that prefilled them."""
+    from vegas_core.cache import PromptSlots
+    from vegas_core.graphs import release_workspace, workspace
     from vegas_core.prefill import prefill
 
     use(monkeypatch, FAST)
     spec = SpecConfig(gamma=3, sparsity=0.1, min_tokens=4)
-    ids = [PROMPTS[0][:50], PROMPTS[0][10:60]]  # equal lengths
+    ids = [PROMPTS[0][:50], PROMPTS[0][10:60]]
+    release_workspace(model.net)
     usual = SpeculativeSession(model, ids, spec, SamplingParams(), 12, prefill_chunk=32)
-    cache = model.net.new_cache(2, usual.cache.max_len)
-    w = spec.gamma + 1
-    prefill(model, [p[:-w] for p in ids], cache, need_last_hidden=False)
-    cache.lengths.fill_(50)
-    resumed = SpeculativeSession.from_cache(model, cache, torch.tensor([p[-w:] for p in ids]),
-                                            spec, SamplingParams())
-    assert torch.equal(resumed.pending, usual.pending)
-    for _ in range(3):
-        assert resumed.step([True, True]) == usual.step([True, True])
+    want = [usual.first_tokens()] + [usual.step([True, True]) for _ in range(3)]
+    capacity = usual.cache.max_len
+    release_workspace(model.net)
+    filled = model.net.new_cache(2, capacity)  # "other means": a prefill elsewhere
+    prefill(model, ids, filled, need_last_hidden=False)
+    cache = workspace(model.net, 2, capacity, torch.device(DEVICE)).cache
+    cache.k.copy_(filled.k)
+    cache.v.copy_(filled.v)
+    cache.prompts = [PromptSlots(p) for p in ids]
+    computed = []
+    resumed = SpeculativeSession(model, ids, spec, SamplingParams(), 12, prefill_chunk=32,
+                                 progress=lambda phase, done, total: computed.append(total))
+    assert not computed  # no prefill: the window is the session's first verify pass
+    assert [resumed.first_tokens()] + [resumed.step([True, True]) for _ in range(3)] == want
+    release_workspace(model.net)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="host synchronisation is a GPU matter")
@@ -144,13 +167,15 @@ def test_an_iteration_synchronises_with_the_host_once(model, monkeypatch):
 
 def test_collectors_report_what_they_can_do():
     rows = torch.ones(1, 3)
-    assert ScoreCollector({"logit"}, None, rows).fusable
-    assert not ScoreCollector({"weight"}, None, rows).fusable
-    assert ScoreCollector({"weight"}, deferrable=True).deferrable
+    assert ScoreCollector("logit", None, rows).fusable
+    assert not ScoreCollector("weight", None, rows).fusable
+    assert ScoreCollector("weight", deferrable=True).deferrable
     # A hybrid model's vegas collector keeps its global layers only, on either path.
-    subset = ScoreCollector({"weight"}, {1, 3}, deferrable=True, scores_out=torch.zeros(2, 1))
+    subset = ScoreCollector("weight", {1, 3}, deferrable=True, scores_out=torch.zeros(2, 1))
     assert subset.deferrable and subset.collects(3) and not subset.collects(2)
-    assert subset.home(3).data_ptr() == subset.scores_out[1].data_ptr()
+    assert subset.fused_home(3).data_ptr() == subset.scores_out[1].data_ptr()
+    with pytest.raises(ValueError, match="score mode"):
+        ScoreCollector("logits")
 
 
 def test_a_workspace_is_kept_across_calls_and_replaced_by_a_new_shape(model, monkeypatch):

@@ -404,6 +404,7 @@ def test_fused_verify_scores_select_what_the_reference_selects(collect, granular
     from vegas_core.sampling import SamplingParams
     from vegas_core.speculative import SpeculativeSession
     from tests.test_engine import tiny_model
+    from tests.test_gpu_path import finished_collectors
 
     model = tiny_model(head_dim=16)
     if DEVICE == "cuda":
@@ -411,16 +412,17 @@ def test_fused_verify_scores_select_what_the_reference_selects(collect, granular
     spec = SpecConfig(gamma=3, sparsity=0.1, min_tokens=4, collect=collect,
                       granularity=granularity)
     prompts = [list(range(1, 80)), list(range(3, 50))]
-    sessions = {}
+    sessions, collectors = {}, {}
     for backend in ("reference", "triton"):
         monkeypatch.setenv("VEGAS_ATTENTION", backend)
         session = SpeculativeSession(model, prompts, spec, SamplingParams(), 8, prefill_chunk=32)
+        seen = finished_collectors(monkeypatch)
         session.step(torch.tensor([True, True], device=DEVICE))
-        sessions[backend] = session
+        sessions[backend], collectors[backend] = session, seen[-1]
     layers = model.config.num_layers
-    assert len(sessions["triton"].last_collector.reduced) == layers  # the kernel summed them
-    assert not sessions["triton"].last_collector.logit  # no per-row tensor was kept
-    assert len(sessions["reference"].last_collector.logit) == layers
+    assert len(collectors["triton"]._summed) == layers  # the kernel summed them
+    assert not collectors["triton"]._per_row and not collectors["triton"]._deferred
+    assert len(collectors["reference"]._per_row) == layers
     ref, got = sessions["reference"].selection, sessions["triton"].selection
     assert torch.equal(ref.counts, got.counts)
     for layer in range(ref.indices.shape[0]):

@@ -28,6 +28,7 @@ import torch
 
 from vegas_core.cache import KVCache
 from vegas_core.config import SlidingWindow
+from vegas_core.scores import ScoreCollector
 
 MODES = ("full", "verify", "draft")
 # Kernels serve decode and verify windows; longer blocks (prefill chunks) use the reference.
@@ -52,82 +53,6 @@ class DraftSelection(Protocol):
         """Boolean [B, G, kv_len] (G = 1 or H_kv) for q [B, T, H, D], k [B, H_kv, S, D]
         and the query positions [B, T]."""
         ...
-
-
-class ScoreCollector:
-    """Keeps what a verify pass computed anyway: attention scores for the selection of
-    the next draft's KV, summed over each KV head's query group.
-
-    On the reference path: logit[layer], weight[layer], [B, H_kv, T, S], float32
-    (float64 for float64 inputs). ``logit`` sums pre-softmax q.k/sqrt(d) (masked slots
-    as 0); ``weight`` sums softmax probabilities.
-
-    On the kernel path the scores arrive already summed over the collected rows:
-    ``reduced[layer]`` [B, H_kv, S]. When the rows that count are known before the pass
-    (``row_weights`` [B, T], logit mode) the verify kernel sums them on the fly (fused);
-    otherwise (weight mode, the last accepted row) a ``deferrable`` collector keeps each
-    layer's queries and log-sum-exp, and ``reduce_deferred`` computes the scores once the
-    rows are known, reading K once more. ``scores_out`` [L', B, H_kv, S_max] is an
-    optional preallocated home for ``reduced``, one row per collected layer in order
-    (its slots past each sequence's last position are left unwritten).
-
-    ``layers``: the layers whose scores are kept (None: every layer); the kernel path
-    runs the others as plain verify attention.
-    """
-
-    def __init__(self, modes: set[str], layers: set[int] | None = None,
-                 row_weights: torch.Tensor | None = None, *, deferrable: bool = False,
-                 scores_out: torch.Tensor | None = None) -> None:
-        self.modes = modes
-        self.layers = layers
-        self._rows = None if layers is None else {n: i for i, n in enumerate(sorted(layers))}
-        self.logit: dict[int, torch.Tensor] = {}
-        self.weight: dict[int, torch.Tensor] = {}
-        self.row_weights = row_weights
-        self.scores_out = scores_out
-        self.reduced: dict[int, torch.Tensor] = {}
-        self._deferrable = deferrable
-        # True once a CUDA graph captured this collector: its tensors are graph outputs.
-        self.static = False
-        # layer -> (q [B, T, H, D], k [B, H_kv, S, D], positions [B, T], lse [B, T, H], kv_len)
-        self.deferred: dict[int, tuple] = {}
-
-    @property
-    def fusable(self) -> bool:
-        return self.modes == {"logit"} and self.row_weights is not None
-
-    @property
-    def deferrable(self) -> bool:
-        return self._deferrable and len(self.modes) == 1
-
-    def collects(self, layer: int) -> bool:
-        return self.layers is None or layer in self.layers
-
-    def home(self, layer: int) -> torch.Tensor | None:
-        """``layer``'s row of ``scores_out`` [B, H_kv, S_max], or None without one."""
-        if self.scores_out is None:
-            return None
-        return self.scores_out[layer if self._rows is None else self._rows[layer]]
-
-    def add(self, layer: int, scores: torch.Tensor, probs: torch.Tensor,
-            mask: torch.Tensor) -> None:
-        """scores (float32, masked slots -inf), probs: [B, H_kv, group, T, S]."""
-        if self.layers is not None and layer not in self.layers:
-            return
-        if "logit" in self.modes:
-            self.logit[layer] = scores.masked_fill(~mask, 0.0).sum(dim=2)
-        if "weight" in self.modes:
-            self.weight[layer] = probs.sum(dim=2)
-
-    def reduce_deferred(self, row_weights: torch.Tensor) -> None:
-        """Fill ``reduced`` for the deferred layers: row_weights [B, T] picks the rows."""
-        from kernels.collect_scores import collect_scores
-
-        weight_mode = self.modes == {"weight"}
-        for layer, (q, k, positions, lse, kv_len) in self.deferred.items():
-            out = self.home(layer)
-            self.reduced[layer] = collect_scores(q, k, positions, row_weights, kv_len,
-                                                 lse if weight_mode else None, out=out)
 
 
 @dataclass
@@ -370,15 +295,15 @@ def _kernel_attention(q, k, v, layer: int, meta: AttentionMeta,
         from kernels.verify_attention import verify_attention
 
         fuse = collector is not None and collector.fusable
-        weights = collector.row_weights if fuse else None
-        into = collector.home(layer) if fuse else None
+        weights = collector.fused_rows if fuse else None
+        into = collector.fused_home(layer) if fuse else None
         out, lse, scores = verify_attention(q, k, v, meta.positions, meta.kv_len, weights,
                                             scores_out=into, window=meta.window_of(layer),
                                             sinks=sinks)
         if fuse:
-            collector.reduced[layer] = scores
+            collector.keep_fused(layer, scores)
         elif collector is not None:
-            collector.deferred[layer] = (q, k, meta.positions, lse, meta.kv_len)
+            collector.defer(layer, q, k, meta.positions, lse, meta.kv_len)
         return out
     if meta.mode == "draft" and isinstance(meta.sparse, SparseSelection) and q.shape[1] == 1:
         from kernels.sparse_attention import sparse_attention

@@ -21,6 +21,9 @@ from collections.abc import Callable
 
 import torch
 
+from vegas_core.attention import AttentionMeta, SparseSelection
+from vegas_core.scores import ScoreCollector
+
 # VEGAS_CUDA_GRAPHS: "auto" (capture on CUDA), "0" (eager steps with host-sized
 # shapes, for debugging and comparison), or "static" (the static-buffer steps, run
 # eagerly on any device: how CPU tests exercise what the GPU captures).
@@ -127,6 +130,25 @@ class StaticForward:
         return self.graph()
 
 
+class StaticCall:
+    """``fn(*inputs)`` on static input buffers shaped like the first call's arguments,
+    on a ``StepGraph``: each call copies its arguments in and replays."""
+
+    def __init__(self, fn: Callable[..., object], device: torch.device,
+                 pool: object | None) -> None:
+        self.fn, self.device, self.pool = fn, device, pool
+        self.inputs: list[torch.Tensor] | None = None
+        self.graph: StepGraph | None = None
+
+    def __call__(self, *args: torch.Tensor) -> object:
+        if self.inputs is None:
+            self.inputs = [torch.zeros_like(a) for a in args]
+            self.graph = StepGraph(lambda: self.fn(*self.inputs), self.device, self.pool)
+        for buffer, arg in zip(self.inputs, args):
+            buffer.copy_(arg)
+        return self.graph()
+
+
 def new_pool(device: torch.device) -> object | None:
     """One memory pool for all graphs of a session: their intermediates share memory
     (they never run at the same time); outputs that are kept stay allocated."""
@@ -193,3 +215,100 @@ def workspace(net, batch: int, min_len: int, device: torch.device) -> Workspace 
 def release_workspace(net) -> None:
     """Drop the model's kept cache and graphs (their memory returns to the allocator)."""
     _workspaces.pop(net, None)
+
+
+class SpeculativeForwards:
+    """The draft and verify forwards of one speculative session, and the static buffers
+    behind them.
+
+    With a ``space`` (the kernels serve every forward), drafts and verifies run on its
+    static buffers, captured in CUDA graphs on a GPU: one graph for dense drafts, one per
+    staged selection (a selection is copied into a static index list as long as the
+    largest budget the cache allows, ``list_capacity``), one per kind of verify (its rows
+    and what its score collector does) and one per deferred score pass. Without one,
+    and for longer index lists, the forwards run eagerly, sized by the host's lengths.
+    """
+
+    def __init__(self, net, cache, window, space: Workspace | None, list_capacity: int,
+                 device: torch.device) -> None:
+        self.net, self.cache, self.window, self.space = net, cache, window, space
+        self.list_capacity = list_capacity
+        self.device = device
+        self._staged_from: SparseSelection | None = None
+
+    @property
+    def static(self) -> bool:
+        return self.space is not None
+
+    def score_buffer(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """A float32 home for the kernels' selection scores, kept with the graphs that
+        write it."""
+        make = lambda: torch.empty(shape, dtype=torch.float32, device=self.device)  # noqa: E731
+        return self.space.get(("scores",), make) if self.static else make()
+
+    def draft(self, sel, tokens: torch.Tensor, positions: torch.Tensor,
+              kv_len: int) -> torch.Tensor:
+        """One draft forward of tokens [B, 1] at positions [B, 1] attending to ``sel``
+        (None: dense) -> logits [B, V]; ``kv_len`` bounds the slots an eager forward
+        reads."""
+        if self.static and (sel is None or (isinstance(sel, SparseSelection)
+                                            and sel.indices.shape[-1] <= self.list_capacity)):
+            return self._static_draft(sel)(tokens, positions)
+        meta = (AttentionMeta.full(positions, kv_len, self.window) if sel is None
+                else AttentionMeta.draft(positions, kv_len, sel, self.window))
+        return self.net.logits(self.net(tokens, positions, self.cache, meta)[:, -1])
+
+    def verify(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int,
+               kind: tuple, make_collector: Callable[[], ScoreCollector | None]
+               ) -> tuple[torch.Tensor, ScoreCollector | None]:
+        """The verify forward of tokens [B, T] -> (logits [B, T, V], its collector).
+        ``kind`` says what ``make_collector()`` would make, as far as a captured graph is
+        concerned: a graph and its collector are made once per kind and rows."""
+        key = ("verify", tokens.shape[1], *kind)
+        if self.static:
+            found = self.space.find(key)
+            if found is not None:
+                forward, collector = found
+                return forward(tokens, positions), collector
+        collector = make_collector()
+        graphable = collector is None or collector.fusable or collector.deferrable
+        if not (self.static and graphable):
+            meta = AttentionMeta.verify(positions, kv_len, self.window, collector)
+            return self.net.logits(self.net(tokens, positions, self.cache, meta)), collector
+        if collector is not None and not collector.fusable:
+            collector.run_deferred_with(StaticCall(collector.reduce_deferred, self.device,
+                                                   self.space.pool))
+        cap, window = self.cache.max_len, self.window
+        forward = StaticForward(self.net, self.cache, self.cache.batch_size, tokens.shape[1],
+                                lambda pos: AttentionMeta.verify(pos, cap, window, collector),
+                                all_rows=True, device=self.device, pool=self.space.pool)
+        self.space.put(key, (forward, collector))
+        return forward(tokens, positions), collector
+
+    def _static_draft(self, sel: SparseSelection | None) -> StaticForward:
+        cap, batch = self.cache.max_len, self.cache.batch_size
+        if sel is None:
+            return self.space.get(("draft-dense",), lambda: StaticForward(
+                self.net, self.cache, batch, 1,
+                lambda pos: AttentionMeta.full(pos, cap, self.window),
+                all_rows=False, device=self.device, pool=self.space.pool))
+        staged = self._stage(sel)
+        return self.space.get(("draft", id(staged)), lambda: StaticForward(
+            self.net, self.cache, batch, 1,
+            lambda pos: AttentionMeta.draft(pos, cap, staged, self.window),
+            all_rows=False, device=self.device, pool=self.space.pool))
+
+    def _stage(self, sel: SparseSelection) -> SparseSelection:
+        """Copy a selection into the static one a draft graph reads."""
+        l, b, g, k = sel.indices.shape
+        k_cap = self.list_capacity
+        staged = self.space.get(("selection", sel.layers, g, k_cap), lambda: SparseSelection(
+            torch.zeros(l, b, g, k_cap, dtype=torch.long, device=self.device),
+            torch.zeros(l, b, dtype=torch.long, device=self.device),
+            torch.zeros(b, dtype=torch.long, device=self.device), layers=sel.layers))
+        if sel is not self._staged_from:  # a drafter may keep its selection
+            staged.indices[..., :k].copy_(sel.indices)
+            staged.counts.copy_(sel.counts)
+            staged.tail_start.copy_(sel.tail_start)
+            self._staged_from = sel
+        return staged

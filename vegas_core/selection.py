@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from vegas_core.attention import SparseSelection
 from vegas_core.spec_config import SpecConfig, draft_budget
-from vegas_core.attention import ScoreCollector, SparseSelection
 
 # MagicDec-Stream: attention-sink tokens kept at the start of the prefix.
 STREAMING_SINKS = 16
@@ -33,14 +33,17 @@ SPECEXTEND_REFRESH = 8
 class SelectionInputs:
     """What the loop knows when it selects.
 
-    collector: scores of the window just verified (or of the prefill's last rows).
+    scores: [L', B, H_kv, S] selection scores of the window just verified (or of the
+        prefill's last rows), summed over the rows the drafter's ``score_rows`` weight,
+        one row per collected layer (``vegas_core.scores``); None for drafters that
+        collect none. S may run past the prefix.
     window_rows: T, the rows of that window. last_row: [B] row of the last accepted
         token in it. prefix_len: [B] slots before the window: the candidates; the
         window's slots and later ones form the tail. budget: [B]. iteration: 0 after
         prefill, then 1, 2, ...
     """
 
-    collector: ScoreCollector | None
+    scores: torch.Tensor | None
     window_rows: int
     last_row: torch.Tensor
     prefix_len: torch.Tensor
@@ -107,30 +110,18 @@ def collected_rows(collect: str, window_rows: int, last_row: torch.Tensor) -> to
     return rows
 
 
-def stacked_scores(collector: ScoreCollector, mode: str, layers: list[int]) -> torch.Tensor:
-    """[L', B, H_kv, T, S] of ``layers`` from the collector's per-layer dict."""
-    per_layer = collector.logit if mode == "logit" else collector.weight
-    return torch.stack([per_layer[i] for i in layers])
-
-
-def vegas_scores(collector: ScoreCollector, rows: torch.Tensor, score: str,
-                 granularity: str, layers: list[int]) -> torch.Tensor:
-    """Sum the chosen rows' scores (over rows, and over KV heads for ``layer``
-    granularity): [L', B, G, S] for ``layers``."""
-    s = stacked_scores(collector, score, layers)  # [L', B, H_kv, T, S]
-    summed = torch.einsum("lbkts,bt->lbks", s, rows.to(s.dtype))
-    return summed.sum(dim=2, keepdim=True) if granularity == "layer" else summed
-
-
 class Drafter:
     """Base: no selection scores needed, prefill window of gamma + 1 rows.
 
     ``layers``: the layers whose drafts attend to a selection (``ModelConfig.
     selection_layers``; None: all); selections for the others are never read."""
 
-    collect_modes: set[str] = set()
-    collect_layers: set[int] | None = None
+    score_mode: str | None = None  # "logit" or "weight" scores of the verify pass, or none
+    collect_layers: set[int] | None = None  # the layers whose scores count (None: all)
     prefill_rows = 0  # rows of the prefill window this drafter needs beyond gamma + 1
+    # Whether the verify kernels may sum the scores (fused, or deferred to a pass after
+    # acceptance); the peers keep PyTorch's per-row path, as their own implementations do.
+    kernel_scores = False
 
     def __init__(self, spec: SpecConfig, num_layers: int,
                  layers: list[int] | None = None) -> None:
@@ -146,18 +137,15 @@ class Drafter:
         known before the pass (a kernel then sums them on the fly); None otherwise."""
         return None
 
-    # Whether ``select`` reads ``ScoreCollector.reduced`` (row-summed scores, the kernel
-    # path); drafters that read per-row scores keep their collectors on the reference.
-    reads_reduced_scores = False
-
-    def deferred_row_weights(self, window_rows: int, last_row: torch.Tensor) -> torch.Tensor:
-        """[B, T] weights of the rows whose scores count, once acceptance is known."""
+    def score_rows(self, window_rows: int, last_row: torch.Tensor) -> torch.Tensor:
+        """[B, T] weights of the window rows whose scores count, once acceptance is known
+        (``last_row`` [B]: the last accepted row)."""
         raise NotImplementedError
 
     def needs_scores(self, iteration: int) -> bool:
         """Whether the verify pass of ``iteration`` (0: the prefill window) must collect
         scores: drafters that keep a selection skip the work in between."""
-        return bool(self.collect_modes)
+        return self.score_mode is not None
 
 
 class DenseDrafter(Drafter):
@@ -171,16 +159,16 @@ class VegasDrafter(Drafter):
     """Top-k of the verify pass's own scores (Collect-2-Query by default), in the layers
     that select only: a hybrid model's sliding layers are neither collected nor ranked."""
 
-    reads_reduced_scores = True
+    kernel_scores = True
 
     def __init__(self, spec: SpecConfig, num_layers: int,
                  layers: list[int] | None = None) -> None:
         super().__init__(spec, num_layers, layers)
-        self.collect_modes = {spec.score}
+        self.score_mode = spec.score
         self.every_layer = len(self.layers) == num_layers
         self.collect_layers = None if self.every_layer else set(self.layers)
 
-    def deferred_row_weights(self, window_rows: int, last_row: torch.Tensor) -> torch.Tensor:
+    def score_rows(self, window_rows: int, last_row: torch.Tensor) -> torch.Tensor:
         return collected_rows(self.spec.collect, window_rows, last_row)
 
     def fused_row_weights(self, window_rows: int, batch: int, device) -> torch.Tensor | None:
@@ -191,20 +179,11 @@ class VegasDrafter(Drafter):
                               torch.zeros(batch, dtype=torch.long, device=device))
 
     def select(self, inputs: SelectionInputs) -> SparseSelection:
-        c = inputs.collector
         # Only prefix slots are candidates: the kernels' score rows may run longer.
         span = max(inputs.longest_prefix(), 1)
-        if len(c.reduced) == len(self.layers):
-            if c.scores_out is not None:
-                scores = c.scores_out[..., :span]  # [L', B, H_kv, S], no copy
-            else:
-                scores = torch.stack([c.reduced[i][..., :span] for i in self.layers])
-            if self.spec.granularity == "layer":
-                scores = scores.sum(dim=2, keepdim=True)
-        else:
-            rows = collected_rows(self.spec.collect, inputs.window_rows, inputs.last_row)
-            scores = vegas_scores(c, rows, self.spec.score, self.spec.granularity,
-                                  self.layers)
+        scores = inputs.scores[..., :span]  # [L', B, H_kv, S]
+        if self.spec.granularity == "layer":
+            scores = scores.sum(dim=2, keepdim=True)
         if self.spec.window > 0:
             scores = _reserve_window(scores, inputs.prefix_len, inputs.budget, self.spec.window)
         k_max = inputs.largest_budget(self.spec.sparsity, self.spec.min_tokens)
@@ -234,7 +213,7 @@ class SnapKVDrafter(Drafter):
     summed, avg-pooled (kernel 5), summed over each GQA group; top (budget - 32) per
     layer and KV head, plus the 32 window tokens; never re-selected."""
 
-    collect_modes = {"weight"}
+    score_mode = "weight"
     prefill_rows = SNAPKV_WINDOW
 
     def __init__(self, spec: SpecConfig, num_layers: int,
@@ -245,10 +224,13 @@ class SnapKVDrafter(Drafter):
     def needs_scores(self, iteration: int) -> bool:
         return iteration == 0
 
+    def score_rows(self, window_rows: int, last_row: torch.Tensor) -> torch.Tensor:
+        return torch.ones(last_row.shape[0], window_rows, device=last_row.device)
+
     def select(self, inputs: SelectionInputs) -> SparseSelection:
         if self.fixed is None:
-            s = stacked_scores(inputs.collector, "weight", list(range(self.num_layers))).sum(dim=3)
-            l, b, h, n = s.shape  # [L, B, H_kv, S]
+            s = inputs.scores  # [L, B, H_kv, S], the window's rows summed
+            l, b, h, n = s.shape
             pooled = F.avg_pool1d(s.reshape(l * b * h, 1, n), SNAPKV_POOL, stride=1,
                                   padding=SNAPKV_POOL // 2, count_include_pad=False)
             budget = torch.clamp(inputs.budget - inputs.window_rows, min=0)
@@ -263,7 +245,7 @@ class SpecExtendDrafter(Drafter):
     of the last accepted token, averaged over heads, score 32-token chunks by their
     mean; the top chunks are shared by all layers and refreshed every 8 iterations."""
 
-    collect_modes = {"weight"}
+    score_mode = "weight"
 
     def __init__(self, spec: SpecConfig, num_layers: int,
                  layers: list[int] | None = None) -> None:
@@ -274,12 +256,14 @@ class SpecExtendDrafter(Drafter):
     def needs_scores(self, iteration: int) -> bool:
         return iteration % SPECEXTEND_REFRESH == 0
 
+    def score_rows(self, window_rows: int, last_row: torch.Tensor) -> torch.Tensor:
+        return F.one_hot(last_row, window_rows).float()
+
     def select(self, inputs: SelectionInputs) -> SparseSelection:
         if self.current is not None and inputs.iteration % SPECEXTEND_REFRESH:
             return self.current
-        w = inputs.collector.weight[self.num_layers - 1].sum(dim=1)  # [B, T, S]
+        w = inputs.scores[0].sum(dim=1)  # [B, S]: the last accepted row, heads summed
         b = w.shape[0]
-        w = w[torch.arange(b, device=w.device), inputs.last_row]  # [B, S]
         n = w.shape[-1]
         slots = torch.arange(n, device=w.device)
         w = w.masked_fill(slots >= inputs.prefix_len[:, None], 0.0)

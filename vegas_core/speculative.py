@@ -21,12 +21,12 @@ import time
 
 import torch
 
-from vegas_core.attention import (AttentionMeta, ScoreCollector, SparseSelection,
-                                  kernels_serve_model)
-from vegas_core.graphs import StaticForward, StepGraph, Workspace, static_steps, workspace
+from vegas_core.attention import AttentionMeta, kernels_serve_model
+from vegas_core.graphs import SpeculativeForwards, Workspace, workspace
 from vegas_core.loading import LoadedModel
 from vegas_core.prefill import PrefixCache, ProgressFn, prefill, sync
 from vegas_core.sampling import SamplingParams, choose_tokens, probabilities
+from vegas_core.scores import ScoreCollector
 from vegas_core.selection import SelectionInputs, draft_budget, make_drafter
 from vegas_core.spec_config import SpecConfig
 
@@ -81,24 +81,6 @@ class SpeculativeSession:
         self._init(model, cache, spec, params, [len(p) for p in prompt_ids], space)
         self._prefill(prompt_ids, prefill_chunk, progress, prefix_cache)
 
-    @classmethod
-    @torch.inference_mode()
-    def from_cache(cls, model: LoadedModel, cache, window_tokens: torch.Tensor,
-                   spec: SpecConfig, params: SamplingParams) -> "SpeculativeSession":
-        """Continue from a cache that already holds slots [0, cache.lengths[b]) of each
-        sequence; ``window_tokens`` [B, W] are each sequence's last W tokens, run again
-        as the window whose scores make the first selection. For benchmarks that fill
-        a long cache without a prefill; leave room for the iterations to come."""
-        self = cls.__new__(cls)
-        space = None
-        if static_steps(model.device) and kernels_serve_model(model.config, model.device,
-                                                              spec.gamma + 1):
-            space = Workspace.around(cache, model.device)  # the caller's cache, its own
-        self._init(model, cache, spec, params, cache.lengths.tolist(), space)
-        w = window_tokens.shape[1]
-        self._open_window(window_tokens.to(self.dev), cache.lengths - w)
-        return self
-
     def _init(self, model: LoadedModel, cache, spec: SpecConfig, params: SamplingParams,
               lengths: list[int], space: Workspace | None) -> None:
         self.model, self.spec, self.params = model, spec, params
@@ -119,54 +101,40 @@ class SpeculativeSession:
     def _setup_static_steps(self, space: Workspace | None) -> None:
         """``space``: where the static steps keep their buffers and graphs (None: the
         steps run eagerly, sized by the host's lengths)."""
-        c, dev = self.model.config, self.dev
-        self.space = space
-        self.static = space is not None
+        c = self.model.config
+        # An index list as long as the budget at full capacity: longer ones (SpecExtend's
+        # whole chunks under small budgets) run eagerly.
+        list_capacity = draft_budget(self.cache.max_len, self.spec.sparsity,
+                                     self.spec.min_tokens)
+        self.forwards = SpeculativeForwards(self.net, self.cache, self.window, space,
+                                            list_capacity, self.dev)
         self._scores_out = None
-        if self.drafter.reads_reduced_scores and kernels_serve_model(c, dev, 1):
+        if self.drafter.kernel_scores and kernels_serve_model(c, self.dev, 1):
             # The kernels write each selecting layer's row-summed scores here: no stack,
             # no copy.
             layers = self.drafter.collect_layers
-            shape = (c.num_layers if layers is None else len(layers), self.batch,
-                     c.num_kv_heads, self.cache.max_len)
-            make = lambda: torch.empty(shape, dtype=torch.float32, device=dev)  # noqa: E731
-            self._scores_out = self.space.get(("scores",), make) if self.static else make()
+            self._scores_out = self.forwards.score_buffer(
+                (c.num_layers if layers is None else len(layers), self.batch,
+                 c.num_kv_heads, self.cache.max_len))
         self._active_key: tuple[bool, ...] | None = None
-        self._staged_from: SparseSelection | None = None
 
     def _collector(self, window_rows: int, iteration: int) -> ScoreCollector | None:
-        if not self.drafter.needs_scores(iteration):
+        d = self.drafter
+        if not d.needs_scores(iteration):
             return None
-        weights = self.drafter.fused_row_weights(window_rows, self.batch, self.dev)
-        return ScoreCollector(self.drafter.collect_modes, self.drafter.collect_layers, weights,
-                              deferrable=self.drafter.reads_reduced_scores,
-                              scores_out=self._scores_out)
+        return ScoreCollector(d.score_mode, d.collect_layers,
+                              d.fused_row_weights(window_rows, self.batch, self.dev),
+                              deferrable=d.kernel_scores, scores_out=self._scores_out)
 
-    def _select(self, collector, window_rows: int, last_row: torch.Tensor,
-                prefix_len: torch.Tensor, prefix_max: int) -> None:
-        self.last_collector = collector
-        if collector is not None and collector.deferred:
-            rows = self.drafter.deferred_row_weights(window_rows, last_row)
-            self._reduce(collector, rows)
+    def _select(self, collector: ScoreCollector | None, window_rows: int,
+                last_row: torch.Tensor, prefix_len: torch.Tensor, prefix_max: int) -> None:
+        scores = None
+        if collector is not None:
+            scores = collector.finish(lambda: self.drafter.score_rows(window_rows, last_row))
         budget = draft_budget(prefix_len, self.spec.sparsity, self.spec.min_tokens)
         self.selection = self.drafter.select(SelectionInputs(
-            collector, window_rows, last_row, prefix_len, budget, self.iteration,
+            scores, window_rows, last_row, prefix_len, budget, self.iteration,
             self.model.config.num_layers, prefix_max))
-
-    def _reduce(self, collector: ScoreCollector, rows: torch.Tensor) -> None:
-        """The deferred score pass; captured once per captured verify collector."""
-        if not (self.static and collector.static):
-            collector.reduce_deferred(rows)
-            return
-
-        def make():
-            buffer = torch.zeros_like(rows)
-            return StepGraph(lambda: collector.reduce_deferred(buffer), self.dev,
-                             self.space.pool), buffer
-
-        graph, buffer = self.space.get(("reduce", id(collector)), make)
-        buffer.copy_(rows)
-        graph()
 
     @torch.inference_mode()
     def _prefill(self, prompt_ids: list[list[int]], chunk: int | None, progress,
@@ -207,80 +175,6 @@ class SpeculativeSession:
         """The pending token of each sequence after the prefill: its first new token."""
         return self.pending.tolist()
 
-    # --- the three forwards of an iteration -------------------------------------------
-
-    def _draft_logits(self, tokens: torch.Tensor, positions: torch.Tensor,
-                      kv_len: int) -> torch.Tensor:
-        """One draft forward, [B, 1] -> logits [B, V]."""
-        sel = self.selection
-        if self.static and (sel is None or (isinstance(sel, SparseSelection)
-                                            and sel.indices.shape[-1] <= self._list_capacity())):
-            return self._static_draft(sel)(tokens, positions)
-        meta = (AttentionMeta.full(positions, kv_len, self.window) if sel is None
-                else AttentionMeta.draft(positions, kv_len, sel, self.window))
-        return self.net.logits(self.net(tokens, positions, self.cache, meta)[:, -1])
-
-    def _static_draft(self, sel: SparseSelection | None) -> StaticForward:
-        cap = self.cache.max_len
-        if sel is None:
-            return self.space.get(("draft-dense",), lambda: StaticForward(
-                self.net, self.cache, self.batch, 1,
-                lambda pos: AttentionMeta.full(pos, cap, self.window),
-                all_rows=False, device=self.dev, pool=self.space.pool))
-        staged = self._stage(sel)
-        return self.space.get(("draft", id(staged)), lambda: StaticForward(
-            self.net, self.cache, self.batch, 1,
-            lambda pos: AttentionMeta.draft(pos, cap, staged, self.window),
-            all_rows=False, device=self.dev, pool=self.space.pool))
-
-    def _list_capacity(self) -> int:
-        """Index-list length of the static selection: the budget at full capacity.
-        Longer lists (SpecExtend's whole chunks under small budgets) run eagerly."""
-        return draft_budget(self.cache.max_len, self.spec.sparsity, self.spec.min_tokens)
-
-    def _stage(self, sel: SparseSelection) -> SparseSelection:
-        """Copy a selection into the static one a draft graph reads; its index list is as
-        long as the largest budget the cache's capacity allows."""
-        l, b, g, k = sel.indices.shape
-        k_cap = self._list_capacity()
-        staged = self.space.get(("selection", sel.layers, g, k_cap), lambda: SparseSelection(
-            torch.zeros(l, b, g, k_cap, dtype=torch.long, device=self.dev),
-            torch.zeros(l, b, dtype=torch.long, device=self.dev),
-            torch.zeros(b, dtype=torch.long, device=self.dev), layers=sel.layers))
-        if sel is not self._staged_from:  # a drafter may keep its selection
-            staged.indices[..., :k].copy_(sel.indices)
-            staged.counts.copy_(sel.counts)
-            staged.tail_start.copy_(sel.tail_start)
-            self._staged_from = sel
-        return staged
-
-    def _verify_logits(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int,
-                       collect: bool) -> tuple[torch.Tensor, ScoreCollector | None]:
-        """The verify forward, [B, T] -> (logits [B, T, V], the collector)."""
-        rows = tokens.shape[1]
-        # What a collector would be, as far as a captured graph is concerned: the kind of
-        # drafter and the vegas options decide its modes, rows and layers.
-        key = ("verify", rows, collect, type(self.drafter).__name__, self.spec.collect,
-               self.spec.score)
-        if self.static:
-            found = self.space.find(key)
-            if found is not None:
-                forward, collector = found
-                return forward(tokens, positions), collector
-        collector = self._collector(rows, self.iteration) if collect else None
-        graphable = collector is None or collector.fusable or collector.deferrable
-        if not (self.static and graphable):
-            meta = AttentionMeta.verify(positions, kv_len, self.window, collector)
-            return self.net.logits(self.net(tokens, positions, self.cache, meta)), collector
-        if collector is not None:
-            collector.static = True  # its tensors are the graph's outputs
-        cap, window = self.cache.max_len, self.window
-        forward = StaticForward(self.net, self.cache, self.batch, rows,
-                                lambda pos: AttentionMeta.verify(pos, cap, window, collector),
-                                all_rows=True, device=self.dev, pool=self.space.pool)
-        self.space.put(key, (forward, collector))
-        return forward(tokens, positions), collector
-
     def _active_mask(self, active) -> tuple[torch.Tensor, list[bool]]:
         """-> (device [B] bool, host list); the device copy is made only on change."""
         host = [bool(a) for a in (active.tolist() if torch.is_tensor(active) else active)]
@@ -304,7 +198,8 @@ class SpeculativeSession:
         drafts, draft_probs = [], []
         current = self.pending
         for i in range(gamma):
-            logits = self._draft_logits(current[:, None], (n + i)[:, None], longest + i + 1)
+            logits = self.forwards.draft(self.selection, current[:, None], (n + i)[:, None],
+                                         longest + i + 1)
             if params.greedy:
                 current = logits.argmax(-1)
             else:
@@ -317,8 +212,13 @@ class SpeculativeSession:
         self._clock.mark("verify")
         tokens = torch.cat([self.pending[:, None], drafts_t], dim=1)  # [B, gamma + 1]
         positions = n[:, None] + torch.arange(gamma + 1, device=self.dev)
-        logits, collector = self._verify_logits(tokens, positions, longest + gamma + 1,
-                                                self.drafter.needs_scores(self.iteration))
+        collect = self.drafter.needs_scores(self.iteration)
+        # What the collector would be, as far as a captured graph is concerned: the kind
+        # of drafter and the vegas options decide its mode, rows and layers.
+        kind = (collect, type(self.drafter).__name__, self.spec.collect, self.spec.score)
+        logits, collector = self.forwards.verify(
+            tokens, positions, longest + gamma + 1, kind,
+            lambda: self._collector(gamma + 1, self.iteration) if collect else None)
         accepted, bonus = self._accept(logits, drafts_t, draft_probs)
 
         self._clock.mark("selection")
@@ -326,7 +226,6 @@ class SpeculativeSession:
         self.pending = torch.where(active, bonus, self.pending)
         self._select(collector, gamma + 1, accepted, n, longest)
         self._clock.mark("")
-        self.last_accepted = accepted
         # The iteration's one device-to-host copy: accepted counts, bonus and drafts.
         host = torch.cat([accepted[:, None], bonus[:, None], drafts_t], dim=1).tolist()
         self._clock.collect(self.timers)
