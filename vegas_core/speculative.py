@@ -22,7 +22,7 @@ import time
 import torch
 
 from vegas_core.attention import AttentionMeta, kernels_serve_model
-from vegas_core.graphs import SpeculativeForwards, Workspace, workspace
+from vegas_core.graphs import SpeculativeForwards, workspace
 from vegas_core.loading import LoadedModel
 from vegas_core.prefill import PrefixCache, ProgressFn, prefill, sync
 from vegas_core.sampling import SamplingParams, choose_tokens, probabilities
@@ -69,46 +69,33 @@ class SpeculativeSession:
                  params: SamplingParams, max_new_tokens: int, *, prefill_chunk: int | None = None,
                  progress: ProgressFn | None = None,
                  prefix_cache: PrefixCache | None = None) -> None:
-        longest = max(len(p) for p in prompt_ids)
-        # Room for a full iteration past the last token, and for one more: a sequence that
-        # finished keeps its length but its slots are still written by the batch's steps.
-        capacity = longest + max_new_tokens + 2 * (spec.gamma + 1)
-        space = None
-        if kernels_serve_model(model.config, model.device, spec.gamma + 1):
-            space = workspace(model.net, len(prompt_ids), capacity, model.device)
-        cache = space.cache if space is not None else model.net.new_cache(len(prompt_ids),
-                                                                          capacity)
-        self._init(model, cache, spec, params, [len(p) for p in prompt_ids], space)
-        self._prefill(prompt_ids, prefill_chunk, progress, prefix_cache)
-
-    def _init(self, model: LoadedModel, cache, spec: SpecConfig, params: SamplingParams,
-              lengths: list[int], space: Workspace | None) -> None:
         self.model, self.spec, self.params = model, spec, params
-        self.net = model.net
-        self.dev = model.device
-        self.window = model.config.window
+        self.net, self.dev, self.window = model.net, model.device, model.config.window
         self.drafter = make_drafter(spec, model.config.num_layers,
                                     model.config.selection_layers)
-        self.batch = len(lengths)
+        self.batch = len(prompt_ids)
         self.generator = torch.Generator(device=self.dev).manual_seed(params.seed)
-        self.cache = cache
         self.iteration = 0
         self.timers = {"draft": 0.0, "verify": 0.0, "selection": 0.0}
         self._clock = _PhaseClock(self.dev)
-        self.host_lengths = list(lengths)
-        self._setup_static_steps(space)
+        self.host_lengths = [len(p) for p in prompt_ids]
+        self._active_key: tuple[bool, ...] | None = None
 
-    def _setup_static_steps(self, space: Workspace | None) -> None:
-        """``space``: where the static steps keep their buffers and graphs (None: the
-        steps run eagerly, sized by the host's lengths)."""
-        c = self.model.config
+        # Room for a full iteration past the last token, and for one more: a sequence that
+        # finished keeps its length but its slots are still written by the batch's steps.
+        capacity = max(self.host_lengths) + max_new_tokens + 2 * (spec.gamma + 1)
+        space = None  # where static steps keep their buffers and graphs; None: eager steps
+        if kernels_serve_model(model.config, self.dev, spec.gamma + 1):
+            space = workspace(self.net, self.batch, capacity, self.dev)
+        self.cache = space.cache if space is not None else self.net.new_cache(self.batch,
+                                                                              capacity)
         # An index list as long as the budget at full capacity: longer ones (SpecExtend's
         # whole chunks under small budgets) run eagerly.
-        list_capacity = draft_budget(self.cache.max_len, self.spec.sparsity,
-                                     self.spec.min_tokens)
+        list_capacity = draft_budget(self.cache.max_len, spec.sparsity, spec.min_tokens)
         self.forwards = SpeculativeForwards(self.net, self.cache, self.window, space,
                                             list_capacity, self.dev)
         self._scores_out = None
+        c = model.config
         if self.drafter.kernel_scores and kernels_serve_model(c, self.dev, 1):
             # The kernels write each selecting layer's row-summed scores here: no stack,
             # no copy.
@@ -116,7 +103,7 @@ class SpeculativeSession:
             self._scores_out = self.forwards.score_buffer(
                 (c.num_layers if layers is None else len(layers), self.batch,
                  c.num_kv_heads, self.cache.max_len))
-        self._active_key: tuple[bool, ...] | None = None
+        self._prefill(prompt_ids, prefill_chunk, progress, prefix_cache)
 
     def _collector(self, window_rows: int, iteration: int) -> ScoreCollector | None:
         d = self.drafter
