@@ -29,6 +29,25 @@ def gemma():
     return load_model("gemma3-270m", device="cpu", dtype="float32")
 
 
+def test_gemma3_tokenizer_is_kept_converted_and_loads_the_same(gemma):
+    """transformers' conversion of the GGUF vocabulary (about 40 s) is kept in the cache
+    folder; the kept copy tokenizes, decodes and renders chats as the model's own."""
+    import argparse
+
+    from vegas_core.loading.embedded import cache_folder
+    from vegas_core.loading.gguf import GGUFFile, gguf_tokenizer
+
+    assert list((cache_folder() / "tokenizers").glob(f"{gemma.path.stem}-*/tokenizer.json"))
+    again = gguf_tokenizer(GGUFFile(gemma.path))
+    text = (pathlib.Path(inspect.getsourcefile(argparse)).read_text()[:20000]
+            + "<start_of_turn>user\nhi<end_of_turn>\n")
+    ids = gemma.tokenizer.encode(text)
+    assert again.encode(text) == ids and again.decode(ids) == gemma.tokenizer.decode(ids)
+    assert again.eos_token_ids == gemma.tokenizer.eos_token_ids
+    chat = [{"role": "user", "content": "Name three prime numbers."}]
+    assert again.apply_chat_template(chat) == gemma.tokenizer.apply_chat_template(chat)
+
+
 @pytest.mark.slow
 def test_gemma3_270m_matches_transformers_gguf_loading(gemma):
     import argparse

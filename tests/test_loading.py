@@ -87,3 +87,34 @@ def test_unknown_hub_id_offline_is_a_user_error(tmp_path, monkeypatch):
     monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(VegasError, match="neither a local path nor"):
         load_model("acme/does-not-exist", device="cpu")
+
+
+def test_the_gguf_header_reads_what_ggufs_own_reader_reads(smollm_path):
+    """Our one-pass header parser against gguf.GGUFReader on the embedded SmolLM2 file:
+    every metadata value, and every tensor's name, type, shape and bytes."""
+    import gguf
+    import numpy as np
+
+    from vegas_core.loading.gguf_header import GGUFHeader
+
+    ours, theirs = GGUFHeader(smollm_path), gguf.GGUFReader(str(smollm_path))
+    assert ours.fields.keys() == {k for k in theirs.fields if not k.startswith("GGUF.")}
+    for key, value in ours.fields.items():
+        assert value == theirs.fields[key].contents(), key
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for mine, ref in zip(ours.tensors, theirs.tensors):
+        assert mine.tensor_type == ref.tensor_type and mine.dims == tuple(ref.shape.tolist())
+        assert mine.data.dtype == ref.data.dtype and mine.data.shape == ref.data.shape
+        assert np.array_equal(mine.data, ref.data), mine.name
+
+
+@pytest.mark.parametrize("cut", [10, 24 + 8, 2_000_000, -1])
+def test_a_gguf_cut_anywhere_is_reported_as_truncated(smollm_path, tmp_path, cut):
+    from vegas_core.errors import VegasError
+    from vegas_core.loading.gguf import GGUFFile
+
+    data = smollm_path.read_bytes()
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(data[:cut])  # in the header, the vocabulary, the last tensor
+    with pytest.raises(VegasError, match="truncated or corrupt"):
+        GGUFFile(path)

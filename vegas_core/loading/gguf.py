@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
 import re
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -12,6 +16,7 @@ import torch
 
 from vegas_core.config import FULL, SLIDING, ModelConfig
 from vegas_core.errors import VegasError
+from vegas_core.loading.gguf_header import GGUFFormatError, GGUFHeader
 from vegas_core.loading.weights import build_with_weights
 from vegas_core.tokenizer import TokenizersTokenizer, TransformersTokenizer
 
@@ -72,8 +77,6 @@ class GGUFFile:
     """The parsed header of a GGUF file; tensors are read lazily."""
 
     def __init__(self, path: Path) -> None:
-        import gguf
-
         self.path = path
         if not path.is_file():
             raise VegasError(f"GGUF file not found: {path}")
@@ -81,20 +84,15 @@ class GGUFFile:
             if f.read(4) != b"GGUF":
                 raise VegasError(f"{path} is not a GGUF file (bad magic); pass a .gguf model")
         try:
-            self.reader = gguf.GGUFReader(str(path))
-            # Touch every tensor view now so truncation is caught here, not mid-load.
-            for t in self.reader.tensors:
-                _ = t.data.shape
-        except Exception as e:  # the reader raises many kinds on bad bytes
-            raise VegasError(
-                f"{path} is truncated or corrupt ({type(e).__name__}: {e}); download it again"
-            ) from e
+            # Every tensor's extent is checked against the file's size here, so that
+            # truncation is caught before anything loads.
+            self.header = GGUFHeader(path)
+        except GGUFFormatError as e:
+            raise VegasError(f"{path} is truncated or corrupt ({e}); download it again") from e
+        self.tensors = self.header.tensors
 
     def get(self, key: str, default: Any = None) -> Any:
-        field = self.reader.fields.get(key)
-        if field is None:
-            return default
-        return field.contents()
+        return self.header.fields.get(key, default)
 
     def require(self, key: str) -> Any:
         value = self.get(key)
@@ -120,9 +118,9 @@ def gguf_config(gf: GGUFFile) -> ModelConfig:
     tokens = gf.get("tokenizer.ggml.tokens")
     vocab = a("vocab_size") or (len(tokens) if tokens is not None else None)
     rope_scaling = None
-    names = {t.name for t in gf.reader.tensors}
+    names = {t.name for t in gf.tensors}
     if "rope_freqs.weight" in names:
-        factors = _tensor_array(next(t for t in gf.reader.tensors if t.name == "rope_freqs.weight"))
+        factors = _tensor_array(next(t for t in gf.tensors if t.name == "rope_freqs.weight"))
         rope_scaling = {"rope_type": "freq_factors", "factors": factors.tolist()}
     elif a("rope.scaling.type") == "linear":
         rope_scaling = {"rope_type": "linear", "factor": float(a("rope.scaling.factor"))}
@@ -167,7 +165,7 @@ def gguf_config(gf: GGUFFile) -> ModelConfig:
 def _tensor_array(tensor: Any) -> np.ndarray:
     import gguf
 
-    # A copy: the reader hands out read-only views of the memory-mapped file.
+    # A copy: the header hands out read-only views of the memory-mapped file.
     return np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
 
 
@@ -182,7 +180,7 @@ def _gguf_tensors(gf: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, torc
     # Gemma's norms scale by 1 + w; llama.cpp stores 1 + w, which the model's RMSNorm
     # multiplies by as it is.
     block_names = _GEMMA3_BLOCK_NAMES if config.family == "gemma3" else _BLOCK_NAMES
-    for tensor in gf.reader.tensors:
+    for tensor in gf.tensors:
         name = tensor.name
         if name == "rope_freqs.weight":
             continue  # folded into the config's RoPE frequencies
@@ -208,10 +206,8 @@ def gguf_tokenizer(gf: GGUFFile):
                                         gf.get("tokenizer.ggml.eot_token_id")) if i is not None})
     if model != "gpt2" or pre not in _SPLIT_PATTERNS:
         # SentencePiece-style vocabularies: use transformers' converter for the same file.
-        from transformers import AutoTokenizer
-
         try:
-            tok = AutoTokenizer.from_pretrained(str(gf.path.parent), gguf_file=gf.path.name)
+            tok = _converted_tokenizer(gf.path)
         except Exception as e:
             raise VegasError(f"{gf.path.name}: cannot build its tokenizer ({model}/{pre}): {e}") from e
         return TransformersTokenizer(tok, eos_ids)
@@ -245,6 +241,41 @@ def gguf_tokenizer(gf: GGUFFile):
         add_bos=bool(gf.get("tokenizer.ggml.add_bos_token", False)),
         chat_template=gf.get("tokenizer.chat_template"),
     )
+
+
+def _converted_tokenizer(path: Path):
+    """transformers' tokenizer converted from the GGUF file, kept in the cache folder:
+    the conversion parses the whole file again (about 40 s for Gemma3's vocabulary),
+    loading the saved result takes a second. Keyed by the file's path, size and
+    modification time and by the transformers version."""
+    import transformers
+    from transformers import AutoTokenizer
+
+    from vegas_core.loading.embedded import cache_folder
+
+    stat = path.resolve().stat()
+    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|"
+                         f"{transformers.__version__}".encode()).hexdigest()[:20]
+    saved = cache_folder() / "tokenizers" / f"{path.stem}-{key}"
+    if saved.is_dir():
+        try:
+            return AutoTokenizer.from_pretrained(str(saved))
+        except Exception:  # an unreadable copy is rebuilt below
+            pass
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    try:
+        saved.parent.mkdir(parents=True, exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=saved.parent, prefix=f".{saved.name}.")
+        try:
+            tok.save_pretrained(tmp)
+            if saved.is_dir():  # a copy that did not load
+                shutil.rmtree(saved, ignore_errors=True)
+            os.replace(tmp, saved)  # whole or not at all; a concurrent writer's copy wins
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    except OSError:
+        pass  # no cache: the next load converts again
+    return tok
 
 
 def load_gguf(path: Path, *, device: torch.device, dtype: torch.dtype):
