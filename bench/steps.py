@@ -156,6 +156,26 @@ def vanilla_step_seconds(model, cache, tokens: torch.Tensor) -> float:
     return statistics.median(times)
 
 
+def fill_kept_cache(model, batch: int, ctx: int, room: int, seed: int):
+    """The model's kept cache (as generate() and sessions find it) for ``batch``
+    sequences of ``ctx`` random tokens plus ``room`` slots, filled with random K/V and
+    recorded as holding those prompts -> (cache, prompts, next tokens [B, 1])."""
+    from vegas_core.cache import PromptSlots
+    from vegas_core.graphs import workspace
+
+    cache = workspace(model.net, batch, ctx + room, model.device).cache
+    gen = torch.Generator(device=model.device).manual_seed(seed)
+    for layer in range(model.config.num_layers):
+        cache.k[layer].normal_(generator=gen)
+        cache.v[layer].normal_(generator=gen)
+    cache.lengths.fill_(ctx)
+    ids = torch.randint(0, model.config.vocab_size, (batch, ctx + 1), device=model.device,
+                        generator=gen)
+    prompts = ids[:, :ctx].tolist()
+    cache.prompts = [PromptSlots(p) for p in prompts]
+    return cache, prompts, ids[:, ctx:]
+
+
 def iteration_seconds(model, prompts: list[list[int]], spec) -> dict:
     """Median wall time of an iteration (host sync included) and of each phase, on
     ``prompts`` that the model's kept cache holds already."""
@@ -188,8 +208,7 @@ def run(args, save) -> dict:
     import triton
 
     from vegas_core import SpecConfig, load_model
-    from vegas_core.cache import PromptSlots
-    from vegas_core.graphs import release_workspace, workspace
+    from vegas_core.graphs import release_workspace
 
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", file=sys.stderr, flush=True)
@@ -215,17 +234,7 @@ def run(args, save) -> dict:
                     result["rows"].append(row)
                     print(f"{name} ctx={ctx} B={b}: {row['skipped']}", file=sys.stderr, flush=True)
                     continue
-                # The model's kept cache, as generate() and the sessions below find it.
-                cache = workspace(model.net, b, ctx + margin, model.device).cache
-                gen = torch.Generator(device="cuda").manual_seed(ctx + b)
-                for layer in range(model.config.num_layers):
-                    cache.k[layer].normal_(generator=gen)
-                    cache.v[layer].normal_(generator=gen)
-                cache.lengths.fill_(ctx)
-                ids = torch.randint(0, model.config.vocab_size, (b, ctx + 1), device="cuda",
-                                    generator=gen)
-                prompts, tokens = ids[:, :ctx].tolist(), ids[:, ctx:]
-                cache.prompts = [PromptSlots(p) for p in prompts]
+                cache, prompts, tokens = fill_kept_cache(model, b, ctx, margin, seed=ctx + b)
                 routed = experts_read(model, cache, tokens, cache.lengths[:, None].clone())
                 floor = (weight_bytes_read(model.net, routed)
                          + kv_bytes_read(model.config, ctx, b)) / bandwidth
