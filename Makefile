@@ -22,9 +22,13 @@ tune: setup
 demo: setup
 	$(VENV)/bin/vegas generate --chat --prompt "$(PROMPT)" --max-new-tokens 64
 
+# Test modules run in parallel workers, one module per worker at a time (its fixtures
+# load once); TEST_WORKERS=0 runs them in this process.
+TEST_WORKERS ?= auto
+
 test: setup
 	bash scripts/setup-test-services.sh
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

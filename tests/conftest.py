@@ -10,6 +10,9 @@ import torch
 # Without a GPU, Triton kernels run in Triton's interpreter (read when kernels are defined).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Parallel test workers (pytest-xdist) share the cores: one compute thread each.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 # Tiny shapes that still exercise GQA (4 query heads over 2 KV heads) and several layers.
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
