@@ -173,7 +173,7 @@ def test_collectors_report_what_they_can_do():
     # A hybrid model's vegas collector keeps its global layers only, on either path.
     subset = ScoreCollector("weight", {1, 3}, deferrable=True, scores_out=torch.zeros(2, 1))
     assert subset.deferrable and subset.collects(3) and not subset.collects(2)
-    assert subset.fused_home(3).data_ptr() == subset.scores_out[1].data_ptr()
+    assert subset.home(3).data_ptr() == subset.scores_out[1].data_ptr()
     with pytest.raises(ValueError, match="score mode"):
         ScoreCollector("logits")
 

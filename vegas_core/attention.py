@@ -296,7 +296,7 @@ def _kernel_attention(q, k, v, layer: int, meta: AttentionMeta,
 
         fuse = collector is not None and collector.fusable
         weights = collector.fused_rows if fuse else None
-        into = collector.fused_home(layer) if fuse else None
+        into = collector.home(layer) if fuse else None
         out, lse, scores = verify_attention(q, k, v, meta.positions, meta.kv_len, weights,
                                             scores_out=into, window=meta.window_of(layer),
                                             sinks=sinks)

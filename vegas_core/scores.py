@@ -21,7 +21,7 @@ layer in ascending order, whichever of three paths filled it:
   sums the rows.
 
 The attention side talks to a collector through ``collects``, ``fused_rows``,
-``fused_home``, ``keep_fused``, ``defer`` and ``add``; drafters see only ``finish``'s
+``home``, ``keep_fused``, ``defer`` and ``add``; drafters see only ``finish``'s
 tensor.
 """
 
@@ -72,9 +72,9 @@ class ScoreCollector:
     def collects(self, layer: int) -> bool:
         return self.layers is None or layer in self.layers
 
-    def fused_home(self, layer: int) -> torch.Tensor | None:
-        """Where the kernel writes ``layer``'s summed scores: its row of ``scores_out``
-        [B, H_kv, S_max], or None (the kernel allocates)."""
+    def home(self, layer: int) -> torch.Tensor | None:
+        """Where the kernels (fused or deferred) write ``layer``'s summed scores: its row
+        of ``scores_out`` [B, H_kv, S_max], or None (the kernel allocates)."""
         if self.scores_out is None:
             return None
         return self.scores_out[layer if self._home_rows is None else self._home_rows[layer]]
@@ -109,7 +109,7 @@ class ScoreCollector:
         for layer, (q, k, positions, lse, kv_len) in self._deferred.items():
             self._summed[layer] = collect_scores(
                 q, k, positions, rows, kv_len, lse if self.mode == "weight" else None,
-                out=self.fused_home(layer))
+                out=self.home(layer))
 
     def run_deferred_with(self, run: Callable[[torch.Tensor], None]) -> None:
         """Run the deferred pass through ``run(rows)`` (a captured graph of

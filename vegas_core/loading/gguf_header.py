@@ -81,9 +81,9 @@ class GGUFHeader:
             self._buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         try:
             self._parse()
+        except GGUFFormatError:
+            raise
         except (struct.error, UnicodeDecodeError, ValueError, KeyError) as e:
-            if isinstance(e, GGUFFormatError):
-                raise
             raise GGUFFormatError(f"{type(e).__name__}: {e}") from e
 
     def _parse(self) -> None:
