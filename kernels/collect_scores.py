@@ -20,6 +20,13 @@ one tile (row r: head ``kvh * G + r // T``, window row ``r % T``). One program p
 device and does nothing past it, so one launch (a captured CUDA graph) serves any length
 up to the bound. Slots at or past ``total`` are left unwritten.
 
+When the rows are the first and last of the window (Collect-2-Query) and known before
+the pass, the verify kernel keeps those rows' logits instead (``verify_attention(...,
+edge_logits=True)``, float16), and ``edge_weight_scores`` turns them into the ``weight``
+scores with the pass's lse: 4 bytes per slot and head of the group written and read
+back, not K (D elements per slot) read again. Float16 keeps a logit x to within
+|x| * 2**-11, so a weight exp(x - lse) to that relative error.
+
 ``reference_collect_scores`` is the PyTorch ground truth.
 """
 
@@ -29,7 +36,7 @@ import math
 
 import torch
 
-from kernels.verify_attention import BLOCK_N, block_rows, supported
+from kernels.verify_attention import BLOCK_N, block_rows, edge_rows, scores_home, supported
 
 try:
     import triton
@@ -42,8 +49,10 @@ except ImportError:  # CPU-only installs: the reference path is used
 # BLOCK_N tiles per program: q is loaded once for them, and the loop lets the next K
 # tile load while this one is reduced.
 COLLECT_TILES = 8
+# Slots per program of edge_weight_scores.
+EDGE_BLOCK = 1024
 
-__all__ = ["collect_scores", "reference_collect_scores", "supported"]
+__all__ = ["collect_scores", "edge_weight_scores", "reference_collect_scores", "supported"]
 
 
 def reference_collect_scores(q, k, positions, row_weights, kv_len, lse=None):
@@ -136,6 +145,71 @@ if triton is not None:
                               sm_scale, BLOCK_N, D, WEIGHT_MODE, IEEE, True)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _edge_weight_kernel(
+        EDGES, LSE, POS, ROWW, OUT,
+        se_b, se_h, se_r, sl_b, sl_t, sl_h, sp_b, sp_t, sw_b, sw_t, so_b, so_h, kv_len,
+        H_KV: tl.constexpr, G: tl.constexpr, T: tl.constexpr, E: tl.constexpr,
+        ROWS: tl.constexpr, T_PAD: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        bh = tl.program_id(0)
+        b = bh // H_KV
+        kvh = bh % H_KV
+        slots = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        window = tl.arange(0, T_PAD)
+        pos = tl.load(POS + b * sp_b + window * sp_t, mask=window < T, other=-1)
+        total = tl.minimum(tl.max(pos, axis=0) + 1, kv_len).to(tl.int32)
+        in_range = slots < total
+        # Edge row r: head r // E of the group at window row 0 (r % E == 0) or T - 1.
+        r = tl.arange(0, ROWS)
+        r_ok = r < E * G
+        trow = tl.where(r % E == 0, 0, T - 1)
+        head = kvh * G + r // E
+        lse = tl.load(LSE + b * sl_b + trow * sl_t + head * sl_h, mask=r_ok, other=0.0)
+        weight = tl.load(ROWW + b * sw_b + trow * sw_t, mask=r_ok, other=0.0)
+        # A row that saw no slot (lse -inf) adds nothing, rather than exp(-inf + inf).
+        use = r_ok & (lse > float("-inf"))
+        logits = tl.load(EDGES + (b.to(tl.int64) * se_b + kvh.to(tl.int64) * se_h)
+                         + r[:, None] * se_r + slots[None, :],
+                         mask=use[:, None] & in_range[None, :], other=float("-inf"))
+        p = tl.exp(logits.to(tl.float32) - tl.where(use, lse, 0.0)[:, None])
+        scores = tl.sum(tl.where(use[:, None], p * weight[:, None], 0.0), axis=0)
+        tl.store(OUT + b * so_b + kvh * so_h + slots, scores, mask=in_range)
+
+
+def edge_weight_scores(edges, lse, positions, row_weights, kv_len: int, out=None):
+    """Collect-2-Query ``weight`` scores from the edge logits of a verify pass ->
+    [B, H_kv, kv_len] float32 (``out`` when given), as ``reference_collect_scores`` with
+    ``lse`` for row weights that are 0 outside the first and last row.
+
+    edges: float16 [B, H_kv, E * G, >= kv_len] from ``verify_attention(...,
+    edge_logits=True)``; lse [B, T, H] from the same call; positions, row_weights
+    [B, T]; out: an optional float32 [B, H_kv, >= kv_len] (any strides but the last).
+    Slots at or past each sequence's total are left unwritten."""
+    b, t, h = lse.shape
+    h_kv = edges.shape[1]
+    g = h // h_kv
+    e = edge_rows(t)
+    if tuple(edges.shape[:3]) != (b, h_kv, e * g) or edges.dtype != torch.float16:
+        raise ValueError(f"edges must be float16 [{b}, {h_kv}, {e * g}, S], got "
+                         f"{edges.dtype} {tuple(edges.shape)}")
+    out = scores_home(out, b, h_kv, kv_len, lse.device)
+    weights = row_weights.float()
+    if kv_len == 0:
+        return out
+    _edge_weight_kernel[(b * h_kv, triton.cdiv(kv_len, EDGE_BLOCK))](
+        edges, lse, positions, weights, out,
+        edges.stride(0), edges.stride(1), edges.stride(2), *lse.stride(),
+        positions.stride(0), positions.stride(1), weights.stride(0), weights.stride(1),
+        out.stride(0), out.stride(1), kv_len,
+        H_KV=h_kv, G=g, T=t, E=e, ROWS=triton.next_power_of_2(e * g),
+        T_PAD=triton.next_power_of_2(t), BLOCK=EDGE_BLOCK,
+    )
+    return out
+
+
 def collect_scores(q, k, positions, row_weights, kv_len: int, lse=None, out=None):
     """Row-weighted selection scores -> [B, H_kv, kv_len] float32 (``out`` when given).
 
@@ -148,12 +222,7 @@ def collect_scores(q, k, positions, row_weights, kv_len: int, lse=None, out=None
     b, t, h, d = q.shape
     h_kv = k.shape[1]
     g = h // h_kv
-    if out is None:
-        out = torch.empty(b, h_kv, kv_len, device=q.device, dtype=torch.float32)
-    elif (out.dtype != torch.float32 or tuple(out.shape[:2]) != (b, h_kv)
-          or out.shape[2] < kv_len or out.stride(2) != 1):
-        raise ValueError(f"out must be float32 [{b}, {h_kv}, >= {kv_len}] with a contiguous "
-                         f"last dim, got {out.dtype} {tuple(out.shape)} strides {out.stride()}")
+    out = scores_home(out, b, h_kv, kv_len, q.device)
     weights = row_weights.float()
     weight_mode = lse is not None
     lse_arg = lse if weight_mode else weights  # unused placeholder pointer

@@ -49,6 +49,11 @@ except ImportError:  # CPU-only installs: the reference path is used
     triton = None
 
 BLOCK_N = 64  # key slots per tile
+# Heads this narrow (SmolLM2's 64) take tiles of NARROW_BLOCK_N slots: a tile of the same
+# bytes as a 64-slot tile of head dim 128; at 64 slots the split kernel ran 1.1-1.3x the
+# K+V floor at batch 64-256 (docs/results/decode-configs-smollm2-h200.md).
+NARROW_HEAD_DIM = 64
+NARROW_BLOCK_N = 128
 # The window of a layer without one: wider than any cache, small enough that position
 # arithmetic in 32 bits never overflows.
 NO_WINDOW = 1 << 30
@@ -67,6 +72,13 @@ WIDE_HEAD_DIM = 128
 def split_stages(d: int) -> int:
     """Pipeline stages of the split kernels for head dim ``d``."""
     return SPLIT_STAGES if d <= WIDE_HEAD_DIM else SPLIT_STAGES - 1
+
+
+def tile_slots(d: int) -> int:
+    """Key slots per tile of the verify/decode split kernel for head dim ``d``."""
+    return NARROW_BLOCK_N if d <= NARROW_HEAD_DIM else BLOCK_N
+
+
 MERGE_MAX_LANES = 128  # splits a merge program reads at once (independent loads in flight)
 MERGE_TILE = 4096  # elements of a merge program's [lanes, rows, dims] running sums
 MERGE_MIN_DIMS = 16  # narrowest slice of the head dim one merge program takes
@@ -78,16 +90,18 @@ def supported(q: torch.Tensor) -> bool:
     return d >= MIN_HEAD_DIM and d & (d - 1) == 0
 
 
-def splits_for(device: torch.device, programs_per_split: int, bound: int) -> int:
+def splits_for(device: torch.device, programs_per_split: int, bound: int,
+               block_n: int = BLOCK_N) -> int:
     """Splits of the key range per (sequence, KV head): as many as make one whole wave of
     RESIDENT_PER_SM programs per SM (a partial second wave leaves SMs idle while the
-    last programs run), but no more than the BLOCK_N tiles under the static key bound."""
+    last programs run), but no more than the ``block_n``-slot tiles under the static
+    key bound."""
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
     else:
         sms = 1
     wanted = RESIDENT_PER_SM * sms // max(programs_per_split, 1)
-    return max(1, min(wanted, math.ceil(bound / BLOCK_N)))
+    return max(1, min(wanted, math.ceil(bound / block_n)))
 
 
 def reference_verify_attention(q, k, v, positions, kv_len, row_weights=None, window=None,
@@ -120,6 +134,9 @@ def reference_verify_attention(q, k, v, positions, kv_len, row_weights=None, win
 
 
 if triton is not None:
+    # float16's largest finite value is 65504: kept edge logits are clamped inside it
+    # (a logit that large makes its row's softmax one-hot either way).
+    EDGE_LOGIT_LIMIT = tl.constexpr(60000.0)
 
     @triton.jit
     def _scaled_scores(a, b, sm_scale, IEEE: tl.constexpr):
@@ -238,16 +255,31 @@ if triton is not None:
                 tl.store(LSE + b * sl_b + trow * sl_t + head * sl_h, lse, mask=row_ok)
 
     @triton.jit
-    def _verify_tile(q, k_head, v_head, scores_head, n0, end, pos, window, weight, row_ok,
-                     m_i, l_i, acc, sk_s, sv_s, sm_scale, BLOCK_N: tl.constexpr,
-                     D: tl.constexpr, COLLECT: tl.constexpr, IEEE: tl.constexpr,
-                     VISIBLE: tl.constexpr):
+    def _store_edges(edges_head, side_rows, keep, slots, s, se_r):
+        """Keep the edge rows' logits of a tile as float16, clamped to its finite range;
+        keep: [SIDE_M, 1] or [SIDE_M, N]."""
+        kept = tl.minimum(tl.maximum(s, -EDGE_LOGIT_LIMIT), EDGE_LOGIT_LIMIT)
+        tl.store(edges_head + side_rows[:, None] * se_r + slots[None, :],
+                 kept.to(tl.float16), mask=keep)
+
+    @triton.jit
+    def _verify_tile(q, q_side, k_head, v_head, scores_head, edges_head, n0, end, pos,
+                     side_pos, window, weight, row_ok, side_ok, m_i, l_i, acc, sk_s, sv_s,
+                     se_r, sm_scale, BLOCK_N: tl.constexpr, D: tl.constexpr,
+                     SIDE_M: tl.constexpr, COLLECT: tl.constexpr, KEEP_EDGES: tl.constexpr,
+                     IEEE: tl.constexpr, VISIBLE: tl.constexpr):
         """One tile of BLOCK_N slots from n0. A VISIBLE tile lies wholly before every
         row's position, inside every row's sliding window and inside the range: no masks
-        at all (wide, pipelined loads), and its scores are the weighted sum of the rows'
-        scores without a mask. Other tiles (the verify window's own slots, a sliding
-        window's start, the end of the range) mask slots per row."""
+        at all (wide, pipelined loads). Other tiles (the verify window's own slots, a
+        sliding window's start, the end of the range) mask slots per row.
+
+        COLLECT sums the main tile's rows (visible ones only, in masked tiles). The edge
+        logits (KEEP_EDGES) come from a second, small dot of K with the edge rows'
+        queries ``q_side`` [SIDE_M, D]: storing those rows of the main [BLOCK_M, N] tile
+        instead cost 62% of a 9-row verify at the Qwen3-8B shape, the side dot 19%
+        (docs/results/kernels-h200-edges.md)."""
         slots = n0 + tl.arange(0, BLOCK_N)
+        side_rows = tl.arange(0, SIDE_M)
         dims = tl.arange(0, D)
         k_ptrs = k_head + slots[:, None] * sk_s + dims[None, :]
         v_ptrs = v_head + slots[:, None] * sv_s + dims[None, :]
@@ -260,6 +292,9 @@ if triton is not None:
                 # consumer of K dropped it, and ldmatrix then bank-conflicted 8 ways).
                 # Padding rows have q = 0 and weight 0: they add nothing.
                 tl.store(scores_head + slots, tl.sum(s * weight[:, None], axis=0))
+            if KEEP_EDGES:
+                s_side = _scaled_scores(q_side, k, sm_scale, IEEE)
+                _store_edges(edges_head, side_rows, side_ok[:, None], slots, s_side, se_r)
             vt = tl.load(v_ptrs)
         else:
             in_range = slots < end
@@ -270,19 +305,24 @@ if triton is not None:
             if COLLECT:
                 collected = tl.sum(tl.where(visible, s, 0.0) * weight[:, None], axis=0)
                 tl.store(scores_head + slots, collected, mask=in_range)
+            if KEEP_EDGES:
+                s_side = _scaled_scores(q_side, k, sm_scale, IEEE)
+                seen = slots[None, :] <= side_pos[:, None]  # edge layers have no window
+                _store_edges(edges_head, side_rows, side_ok[:, None] & in_range[None, :],
+                             slots, tl.where(seen, s_side, float("-inf")), se_r)
             vt = tl.load(v_ptrs, mask=in_range[:, None], other=0.0)
             s = tl.where(visible, s, float("-inf"))
         return _softmax_step(s, vt, m_i, l_i, acc, IEEE)
 
     @triton.jit
     def _verify_split_kernel(
-        Q, K, V, POS, ROWW, ACC, MAX, SUM, LIVE, SCORES,
+        Q, K, V, POS, ROWW, ACC, MAX, SUM, LIVE, SCORES, EDGES,
         sq_b, sq_t, sq_h, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sp_b, sp_t, sw_b, sw_t,
-        sa_bh, sa_sp, sa_m, sm_bh, sm_sp, ss_b, ss_h,
+        sa_bh, sa_sp, sa_m, sm_bh, sm_sp, ss_b, ss_h, se_b, se_h, se_r,
         kv_len, window, splits, sm_scale,
         H_KV: tl.constexpr, G: tl.constexpr, T: tl.constexpr, D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, COLLECT: tl.constexpr,
-        IEEE: tl.constexpr,
+        SIDE_M: tl.constexpr, KEEP_EDGES: tl.constexpr, IEEE: tl.constexpr,
     ):
         bh = tl.program_id(0)
         split = tl.program_id(1)
@@ -293,6 +333,7 @@ if triton is not None:
         k_head = K + (b.to(tl.int64) * sk_b + kvh.to(tl.int64) * sk_h)
         v_head = V + (b.to(tl.int64) * sv_b + kvh.to(tl.int64) * sv_h)
         scores_head = SCORES + b * ss_b + kvh * ss_h
+        edges_head = EDGES + (b.to(tl.int64) * se_b + kvh.to(tl.int64) * se_h)
         rows = tl.arange(0, BLOCK_M)
         row_ok = rows < G * T
         head = kvh * G + rows // T
@@ -303,8 +344,25 @@ if triton is not None:
         # Slot arithmetic in 32 bits (int64 positions would widen every [M, N] compare).
         pos = tl.load(POS + b * sp_b + trow * sp_t, mask=row_ok, other=-1).to(tl.int32)
         weight = tl.zeros([BLOCK_M], tl.float32)
+        # The edge rows' queries for the side dot (see _verify_tile), their positions and
+        # valid rows.
+        side_rows = tl.arange(0, SIDE_M)
+        q_side = tl.zeros([SIDE_M, D], q.dtype)
+        side_pos = tl.zeros([SIDE_M], tl.int32)
+        side_ok = side_rows < 0
         if COLLECT:
             weight = tl.load(ROWW + b * sw_b + trow * sw_t, mask=row_ok, other=0.0)
+        if KEEP_EDGES:
+            # Edge row r: head r // E of the group at window row 0 (r % E == 0) or T - 1,
+            # E = 2 (1 when T == 1); row r of the edge logits.
+            E: tl.constexpr = 2 if T > 1 else 1
+            side_ok = side_rows < E * G
+            side_t = tl.where(side_rows % E == 0, 0, T - 1)
+            side_head = kvh * G + side_rows // E
+            q_side = tl.load(Q + b * sq_b + side_t[:, None] * sq_t + side_head[:, None] * sq_h
+                             + dims[None, :], mask=side_ok[:, None], other=0.0)
+            side_pos = tl.load(POS + b * sp_b + side_t * sp_t, mask=side_ok,
+                               other=-1).to(tl.int32)
         # The slots any row of this sequence sees, [low, total), from the device
         # positions alone.
         first_pos = tl.min(tl.where(row_ok, pos, kv_len), axis=0)
@@ -323,20 +381,28 @@ if triton is not None:
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
         for n0 in range(start, head_end, BLOCK_N):
-            m_i, l_i, acc = _verify_tile(q, k_head, v_head, scores_head, n0, end, pos, window,
-                                         weight, row_ok, m_i, l_i, acc, sk_s, sv_s, sm_scale,
-                                         BLOCK_N, D, COLLECT, IEEE, False)
+            m_i, l_i, acc = _verify_tile(q, q_side, k_head, v_head, scores_head, edges_head,
+                                         n0, end, pos, side_pos, window, weight, row_ok,
+                                         side_ok, m_i, l_i, acc, sk_s, sv_s, se_r, sm_scale,
+                                         BLOCK_N, D, SIDE_M, COLLECT, KEEP_EDGES, IEEE, False)
         for n0 in range(head_end, visible_end, BLOCK_N):
-            m_i, l_i, acc = _verify_tile(q, k_head, v_head, scores_head, n0, end, pos, window,
-                                         weight, row_ok, m_i, l_i, acc, sk_s, sv_s, sm_scale,
-                                         BLOCK_N, D, COLLECT, IEEE, True)
+            m_i, l_i, acc = _verify_tile(q, q_side, k_head, v_head, scores_head, edges_head,
+                                         n0, end, pos, side_pos, window, weight, row_ok,
+                                         side_ok, m_i, l_i, acc, sk_s, sv_s, se_r, sm_scale,
+                                         BLOCK_N, D, SIDE_M, COLLECT, KEEP_EDGES, IEEE, True)
         for n0 in range(visible_end, end, BLOCK_N):
-            m_i, l_i, acc = _verify_tile(q, k_head, v_head, scores_head, n0, end, pos, window,
-                                         weight, row_ok, m_i, l_i, acc, sk_s, sv_s, sm_scale,
-                                         BLOCK_N, D, COLLECT, IEEE, False)
+            m_i, l_i, acc = _verify_tile(q, q_side, k_head, v_head, scores_head, edges_head,
+                                         n0, end, pos, side_pos, window, weight, row_ok,
+                                         side_ok, m_i, l_i, acc, sk_s, sv_s, se_r, sm_scale,
+                                         BLOCK_N, D, SIDE_M, COLLECT, KEEP_EDGES, IEEE, False)
         _store_partials(ACC, MAX, SUM, LIVE, bh, split, bh * sa_bh + split * sa_sp,
                         bh * sm_bh + split * sm_sp, sa_m, acc, m_i, l_i, live, start, end,
                         G * T, BLOCK_M, D)
+
+
+def edge_rows(t: int) -> int:
+    """Window rows whose logits ``edge_logits`` keeps: the first and last (one if T == 1)."""
+    return 2 if t > 1 else 1
 
 
 def block_rows(rows: int) -> int:
@@ -377,7 +443,9 @@ def merge_partials(partials, out: torch.Tensor, lse: torch.Tensor | None, h_kv: 
     )
 
 
-def _scores_buffer(scores_out, b: int, h_kv: int, kv_len: int, device) -> torch.Tensor:
+def scores_home(scores_out, b: int, h_kv: int, kv_len: int, device) -> torch.Tensor:
+    """``scores_out`` checked as a home for [B, H_kv, kv_len] float32 scores, or a new
+    tensor when None."""
     if scores_out is None:
         # Slots past each sequence's total stay unwritten, so no zero-fill.
         return torch.empty(b, h_kv, kv_len, device=device, dtype=torch.float32)
@@ -390,10 +458,18 @@ def _scores_buffer(scores_out, b: int, h_kv: int, kv_len: int, device) -> torch.
 
 
 def verify_attention(q, k, v, positions, kv_len: int, row_weights=None, *, scores_out=None,
-                     splits: int | None = None, window: int | None = None, sinks=None):
+                     edge_logits: bool = False, splits: int | None = None,
+                     window: int | None = None, sinks=None):
     """Triton verify/decode attention; same contract as ``reference_verify_attention``
     but ``out`` in q's dtype, and scores only at the slots each sequence's rows see
     (below its total, and from its first row's window start).
+
+    With ``edge_logits`` (no row_weights, no window) the third output is instead the
+    logits q.k / sqrt(D) of the first and last window rows, float16 [B, H_kv, E * G,
+    kv_len] (E = 2 rows, or 1 when T == 1; row ``E * g + e`` is head g of the group at
+    edge e), invisible slots -inf: with the returned lse they give the Collect-2-Query
+    ``weight`` scores (``kernels.collect_scores.edge_weight_scores``) without reading K
+    again. Slots at or past each sequence's total are left unwritten.
 
     q [B, T, H, D]; k, v [B, H_kv, >= kv_len, D] (last dim contiguous); positions [B, T];
     kv_len: a static bound on the slots read; row_weights [B, T] or None; scores_out: an
@@ -407,27 +483,34 @@ def verify_attention(q, k, v, positions, kv_len: int, row_weights=None, *, score
     dev = q.device
     # With a window, a sequence's rows see at most window + T - 1 slots.
     bound = kv_len if window is None else min(kv_len, window + t - 1)
-    splits = splits or splits_for(dev, b * h_kv, bound)
+    block_n = tile_slots(d)
+    splits = splits or splits_for(dev, b * h_kv, bound, block_n)
     partials = split_buffers(b, h_kv, splits, g * t, d, dev)
     acc, maxes, sums, live = partials
     collect = row_weights is not None
     if scores_out is not None and not collect:
         raise ValueError("scores_out needs row_weights")
-    scores = _scores_buffer(scores_out, b, h_kv, kv_len, dev) if collect else maxes
+    if edge_logits and (collect or window is not None):
+        raise ValueError("edge_logits replaces row_weights and needs a layer without a "
+                         "sliding window")
+    scores = scores_home(scores_out, b, h_kv, kv_len, dev) if collect else maxes
     weights = row_weights.float() if collect else positions  # placeholder pointer
+    edges = (torch.empty(b, h_kv, edge_rows(t) * g, kv_len, device=dev, dtype=torch.float16)
+             if edge_logits else maxes)  # placeholder pointer
     _verify_split_kernel[(b * h_kv, splits)](
-        q, k, v, positions, weights, acc, maxes, sums, live, scores,
+        q, k, v, positions, weights, acc, maxes, sums, live, scores, edges,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), positions.stride(0), positions.stride(1),
         weights.stride(0), weights.stride(1),
         acc.stride(0), acc.stride(1), acc.stride(2), maxes.stride(0), maxes.stride(1),
-        scores.stride(0), scores.stride(1),
+        scores.stride(0), scores.stride(1), edges.stride(0), edges.stride(1), edges.stride(2),
         kv_len, NO_WINDOW if window is None else window, splits, 1.0 / math.sqrt(d),
-        H_KV=h_kv, G=g, T=t, D=d, BLOCK_M=block_rows(g * t), BLOCK_N=BLOCK_N,
-        COLLECT=collect, IEEE=q.dtype == torch.float32,
+        H_KV=h_kv, G=g, T=t, D=d, BLOCK_M=block_rows(g * t), BLOCK_N=block_n,
+        COLLECT=collect, SIDE_M=block_rows(edge_rows(t) * g if edge_logits else 1),
+        KEEP_EDGES=edge_logits, IEEE=q.dtype == torch.float32,
         num_warps=SPLIT_WARPS, num_stages=split_stages(d),
     )
     out = torch.empty(b, t, h, d, device=dev, dtype=q.dtype)
     lse = torch.empty(b, t, h, device=dev, dtype=torch.float32)
     merge_partials(partials, out, lse, h_kv, g, t, sinks)
-    return out, lse, (scores if collect else None)
+    return out, lse, (scores if collect else edges if edge_logits else None)

@@ -91,10 +91,11 @@ def test_peer_drafters_are_lossless_on_the_fast_path(model, vanilla, drafter, mo
 
 @pytest.mark.parametrize("collect, score, granularity", [
     ("last", "weight", "kv_head"), ("two", "weight", "layer"), ("last", "logit", "layer")])
-def test_deferred_scores_select_what_the_reference_selects(model, collect, score, granularity,
-                                                           monkeypatch):
-    """Weight scores and the last row are summed by the score kernel after acceptance;
-    the selection equals the reference path's, which keeps per-row tensors."""
+def test_kernel_scores_select_what_the_reference_selects(model, collect, score, granularity,
+                                                         monkeypatch):
+    """The last row's scores are summed by the score kernel after acceptance, the first
+    and last rows' probabilities from the logits the verify pass kept; the selection
+    equals the reference path's, which keeps per-row tensors."""
     spec = SpecConfig(gamma=3, sparsity=0.1, min_tokens=4, collect=collect, score=score,
                       granularity=granularity)
     sessions, collectors = {}, finished_collectors(monkeypatch)
@@ -105,7 +106,8 @@ def test_deferred_scores_select_what_the_reference_selects(model, collect, score
         sessions[name] = session
     fast = collectors[-1]  # the fast session's verify
     layers = model.config.num_layers
-    assert len(fast._deferred) == layers and len(fast._summed) == layers
+    assert len(fast._summed) == layers
+    assert len(fast._deferred) == (0 if collect == "two" else layers)  # edges: no K pass
     assert not fast._per_row  # no per-row tensor was kept
     ref, got = sessions["reference"].selection, sessions["fast"].selection
     assert torch.equal(ref.counts, got.counts)
@@ -169,6 +171,9 @@ def test_collectors_report_what_they_can_do():
     rows = torch.ones(1, 3)
     assert ScoreCollector("logit", None, rows).fusable
     assert not ScoreCollector("weight", None, rows).fusable
+    assert ScoreCollector("weight", None, rows).keeps_edges
+    assert not ScoreCollector("logit", None, rows).keeps_edges
+    assert not ScoreCollector("weight", deferrable=True).summed_in_pass
     assert ScoreCollector("weight", deferrable=True).deferrable
     # A hybrid model's vegas collector keeps its global layers only, on either path.
     subset = ScoreCollector("weight", {1, 3}, deferrable=True, scores_out=torch.zeros(2, 1))

@@ -17,7 +17,7 @@ import torch
 triton = pytest.importorskip("triton", reason="Triton is optional on CPU-only installs")
 
 from kernels.collect_scores import (COLLECT_TILES, collect_scores,  # noqa: E402
-                                    reference_collect_scores)
+                                    edge_weight_scores, reference_collect_scores)
 import kernels.verify_attention as verify_module  # noqa: E402
 from kernels.verify_attention import BLOCK_N, merge_partials, split_buffers  # noqa: E402
 from kernels.sparse_attention import reference_sparse_attention, sparse_attention  # noqa: E402
@@ -314,6 +314,47 @@ def test_collect_scores_matches_reference(dtype, mode, rows_kind):
     assert home[1, :, ends[1]:].isnan().all()  # past the end: unwritten
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, heads, kv_heads, dim, splits, sinks", [
+    (7, 9, 3, 64, 3, False),  # SmolLM2's heads, a gamma-6 window
+    (1, 4, 2, 32, 2, False),  # one row: it is both edges
+    (4, 8, 2, 16, 5, True),  # attention sinks join each row's lse
+])
+def test_edge_weight_scores_match_the_reference(dtype, rows, heads, kv_heads, dim, splits,
+                                                sinks):
+    """The verify pass keeps the first and last rows' logits (float16); with its lse they
+    give the Collect-2-Query probabilities, as the deferred pass computes them from K."""
+    batch, kv_len = 2, 300
+    seed = rows * 10 + dim
+    q = randn(batch, rows, heads, dim, dtype=dtype, seed=seed)
+    k = randn(batch, kv_heads, kv_len + SLACK, dim, dtype=dtype, seed=seed + 1)
+    v = randn(batch, kv_heads, kv_len + SLACK, dim, dtype=dtype, seed=seed + 2)
+    sink = randn(heads, dtype=torch.float32, seed=seed + 3) if sinks else None
+    ends = [kv_len, kv_len - 77]
+    positions = window_positions(ends, rows)
+    weights = row_weights("two", batch, rows)
+    out, lse, edges = verify_attention(q, k, v, positions, kv_len, edge_logits=True,
+                                       splits=splits, sinks=sink)
+    plain_out, plain_lse, _ = verify_attention(q, k, v, positions, kv_len, splits=splits,
+                                               sinks=sink)
+    assert torch.equal(out, plain_out) and torch.equal(lse, plain_lse)
+    assert edges.dtype == torch.float16 and edges.shape == (
+        batch, kv_heads, (2 if rows > 1 else 1) * heads // kv_heads, kv_len)
+    _, ref_lse, _ = reference_verify_attention(q.double(), k.double(), v.double(), positions,
+                                               kv_len, sinks=sink)
+    ref = reference_collect_scores(q.double(), k.double(), positions, weights.double(), kv_len,
+                                   ref_lse)
+    home = torch.full((batch, kv_heads, kv_len + 5), float("nan"), device=DEVICE)
+    got = edge_weight_scores(edges, lse, positions, weights, kv_len, out=home)
+    assert got.data_ptr() == home.data_ptr()
+    # float16 logits: each weight to within |logit| * 2**-11 relative (logits here < 8).
+    tol = max(TOLERANCE[dtype], 8 * 2.0 ** -11)
+    assert_prefix_close(got, ref, ends, tol)
+    assert home[1, :, ends[1]:].isnan().all()  # past the end: unwritten
+    with pytest.raises(ValueError, match="edge_logits"):
+        verify_attention(q, k, v, positions, kv_len, weights, edge_logits=True)
+
+
 def test_reference_scores_agree():
     """The two references' logit sums agree (the fused and the deferred path)."""
     q = randn(2, 4, 4, 16, dtype=torch.float64, seed=7)
@@ -342,12 +383,16 @@ def test_one_launch_serves_two_lengths():
     tail_start = torch.zeros(batch, dtype=torch.long, device=DEVICE)
     fused = torch.empty(batch, kv_heads, bound, device=DEVICE)
     deferred = torch.empty(batch, kv_heads, bound, device=DEVICE)
+    from_edges = torch.empty(batch, kv_heads, bound, device=DEVICE)
     max_keys = width + bound
 
     def launch():
         out, lse, _ = verify_attention(q, k, v, positions, bound, weights, scores_out=fused,
                                        splits=splits)
         collect_scores(q, k, positions, weights, bound, lse, out=deferred)
+        _, _, edges = verify_attention(q, k, v, positions, bound, edge_logits=True,
+                                       splits=splits)
+        edge_weight_scores(edges, lse, positions, weights, bound, out=from_edges)
         draft = sparse_attention(q[:, -1:], k, v, positions[:, -1:], indices, counts,
                                  tail_start, max_keys, splits=splits)
         return out, lse, draft
@@ -369,6 +414,7 @@ def test_one_launch_serves_two_lengths():
         ref_weights = reference_collect_scores(q.double(), k.double(), positions,
                                                weights.double(), bound, ref_lse)
         assert_prefix_close(deferred, ref_weights, ends, tol)
+        assert_prefix_close(from_edges, ref_weights, ends, 8 * 2.0 ** -11)
         ref_draft = reference_sparse_attention(q[:, -1:].double(), k.double(), v.double(),
                                                positions[:, -1:], indices, counts, tail_start)
         torch.testing.assert_close(draft.double(), ref_draft, atol=tol, rtol=tol)

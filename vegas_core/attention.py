@@ -230,7 +230,8 @@ def attention_backend(device: torch.device | str) -> str:
     from vegas_core.graphs import graphs_enabled
 
     graphs = " + CUDA graphs" if graphs_enabled(probe.device) else ""
-    return ("triton (decode, verify with fused or deferred vegas scores, index-list drafts)"
+    return ("triton (decode, verify with fused, edge-logit or deferred vegas scores, "
+            "index-list drafts)"
             f"{graphs}{prefill} + pytorch-reference (query-dependent drafts"
             + ("" if prefill else ", prefill") + ")")
 
@@ -291,17 +292,21 @@ def _kernel_attention(q, k, v, layer: int, meta: AttentionMeta,
         collector = None
     # A hybrid model's sliding layer drafts over its whole window, as a decode row does.
     dense = meta.mode in ("full", "verify") or meta.drafts_whole_window(layer)
-    if dense and (collector is None or collector.fusable or collector.deferrable):
+    window = meta.window_of(layer)
+    edges = collector is not None and collector.keeps_edges and window is None
+    if dense and (collector is None or collector.fusable or edges or collector.deferrable):
         from kernels.verify_attention import verify_attention
 
         fuse = collector is not None and collector.fusable
         weights = collector.fused_rows if fuse else None
         into = collector.home(layer) if fuse else None
         out, lse, scores = verify_attention(q, k, v, meta.positions, meta.kv_len, weights,
-                                            scores_out=into, window=meta.window_of(layer),
+                                            scores_out=into, edge_logits=edges, window=window,
                                             sinks=sinks)
         if fuse:
             collector.keep_fused(layer, scores)
+        elif edges:
+            collector.keep_edges(layer, scores, lse, meta.positions, meta.kv_len)
         elif collector is not None:
             collector.defer(layer, q, k, meta.positions, lse, meta.kv_len)
         return out
@@ -319,8 +324,8 @@ def attend(q: torch.Tensor, cache: KVCache, layer: int, meta: AttentionMeta,
            sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of q ([B, T, H, D]) over ``layer``'s cache as ``meta`` allows: fused
     SDPA for prefill chunks; the Triton kernels for decode and verify rows (selection
-    scores fused or deferred, see ``ScoreCollector``; sliding windows and attention
-    ``sinks`` [H]) and index-list drafts when enabled; else the reference
+    scores fused, from edge logits or deferred, see ``ScoreCollector``; sliding windows
+    and attention ``sinks`` [H]) and index-list drafts when enabled; else the reference
     (query-dependent selections, collectors of the peer drafters)."""
     k, v = cache.layer(layer, meta.kv_len)
     if meta.block_start is not None and meta.collector is None and prefill_kernels_enabled():

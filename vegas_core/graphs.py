@@ -271,11 +271,11 @@ class SpeculativeForwards:
                 forward, collector = found
                 return forward(tokens, positions), collector
         collector = make_collector()
-        graphable = collector is None or collector.fusable or collector.deferrable
+        graphable = collector is None or collector.summed_in_pass or collector.deferrable
         if not (self.static and graphable):
             meta = AttentionMeta.verify(positions, kv_len, self.window, collector)
             return self.net.logits(self.net(tokens, positions, self.cache, meta)), collector
-        if collector is not None and not collector.fusable:
+        if collector is not None and not collector.summed_in_pass:
             collector.run_deferred_with(StaticCall(collector.reduce_deferred, self.device,
                                                    self.space.pool))
         cap, window = self.cache.max_len, self.window

@@ -13,16 +13,21 @@ layer in ascending order, whichever of three paths filled it:
 
 - **fused** (``fusable``): the rows are known before the pass (Collect-2-Query or all
   rows, logit scores), so the verify kernel sums them on the fly;
+- **edges** (``keeps_edges``): Collect-2-Query probabilities, which need each row's
+  final log-sum-exp: the verify kernel keeps the first and last rows' logits (float16)
+  and, once the layer's attention is merged, ``kernels.collect_scores.
+  edge_weight_scores`` turns them into the summed probabilities, without reading K
+  again;
 - **deferred** (``deferrable``): the rows are known only after acceptance (the last
-  accepted row) or the scores are probabilities (which need each row's final log-sum-
-  exp): the kernel keeps each layer's queries and log-sum-exp, and ``finish`` runs
-  ``kernels.collect_scores``, reading K once more;
+  accepted row), or all rows' probabilities count: the kernel keeps each layer's
+  queries and log-sum-exp, and ``finish`` runs ``kernels.collect_scores``, reading K
+  once more;
 - **reference**: PyTorch attention hands over per-row scores (``add``) and ``finish``
   sums the rows.
 
 The attention side talks to a collector through ``collects``, ``fused_rows``,
-``home``, ``keep_fused``, ``defer`` and ``add``; drafters see only ``finish``'s
-tensor.
+``home``, ``keep_fused``, ``keep_edges``, ``defer`` and ``add``; drafters see only
+``finish``'s tensor.
 """
 
 from __future__ import annotations
@@ -40,7 +45,8 @@ class ScoreCollector:
     """Scores of one verify pass. ``mode``: "logit" or "weight"; ``layers``: the layers
     whose scores are kept (None: every layer; the kernels run the others as plain verify
     attention); ``fused_rows`` [B, T]: the row weights when they are known before the
-    pass; ``deferrable``: whether the kernels may keep queries for a pass afterwards;
+    pass (in ``weight`` mode they must be 0 outside the first and last row);
+    ``deferrable``: whether the kernels may keep queries for a pass afterwards;
     ``scores_out`` [L', B, H_kv, S_max]: an optional preallocated home for the kernels'
     summed scores, one row per collected layer (slots past each sequence's last position
     are left unwritten)."""
@@ -69,11 +75,21 @@ class ScoreCollector:
         """Whether the verify kernel can sum the scores on the fly."""
         return self.mode == "logit" and self.fused_rows is not None
 
+    @property
+    def keeps_edges(self) -> bool:
+        """Whether the verify kernel keeps the edge rows' logits for ``keep_edges``."""
+        return self.mode == "weight" and self.fused_rows is not None
+
+    @property
+    def summed_in_pass(self) -> bool:
+        """Whether the verify pass itself leaves the summed scores (fused or edges)."""
+        return self.fusable or self.keeps_edges
+
     def collects(self, layer: int) -> bool:
         return self.layers is None or layer in self.layers
 
     def home(self, layer: int) -> torch.Tensor | None:
-        """Where the kernels (fused or deferred) write ``layer``'s summed scores: its row
+        """Where the kernels (fused, edges or deferred) write ``layer``'s summed scores: its row
         of ``scores_out`` [B, H_kv, S_max], or None (the kernel allocates)."""
         if self.scores_out is None:
             return None
@@ -82,6 +98,15 @@ class ScoreCollector:
     def keep_fused(self, layer: int, scores: torch.Tensor) -> None:
         """scores [B, H_kv, S]: ``layer``'s rows summed by the verify kernel."""
         self._summed[layer] = scores
+
+    def keep_edges(self, layer: int, edges: torch.Tensor, lse: torch.Tensor,
+                   positions: torch.Tensor, kv_len: int) -> None:
+        """edges [B, H_kv, E * G, S] (float16) and lse [B, T, H] of ``layer``'s verify
+        attention: summed into its probabilities now (a few bytes per slot, not K)."""
+        from kernels.collect_scores import edge_weight_scores
+
+        self._summed[layer] = edge_weight_scores(edges, lse, positions, self.fused_rows, kv_len,
+                                                 out=self.home(layer))
 
     def defer(self, layer: int, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
               lse: torch.Tensor, kv_len: int) -> None:

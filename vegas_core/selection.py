@@ -133,8 +133,9 @@ class Drafter:
         raise NotImplementedError
 
     def fused_row_weights(self, window_rows: int, batch: int, device) -> torch.Tensor | None:
-        """[B, T] weights of the verify rows whose logit scores count, when they are
-        known before the pass (a kernel then sums them on the fly); None otherwise."""
+        """[B, T] weights of the verify rows whose scores count, when they are known
+        before the pass (the verify kernel then sums them, see ``vegas_core.scores``);
+        None otherwise."""
         return None
 
     def score_rows(self, window_rows: int, last_row: torch.Tensor) -> torch.Tensor:
@@ -172,8 +173,10 @@ class VegasDrafter(Drafter):
         return collected_rows(self.spec.collect, window_rows, last_row)
 
     def fused_row_weights(self, window_rows: int, batch: int, device) -> torch.Tensor | None:
-        # Logit scores of the first/last or all rows: known before the pass.
-        if self.spec.score != "logit" or self.spec.collect == "last":
+        # Known before the pass: logit scores of the first/last or all rows, and the
+        # first/last rows' probabilities (the verify kernel keeps those rows' logits).
+        collect, score = self.spec.collect, self.spec.score
+        if collect == "last" or (score == "weight" and collect != "two"):
             return None
         return collected_rows(self.spec.collect, window_rows,
                               torch.zeros(batch, dtype=torch.long, device=device))
