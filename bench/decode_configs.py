@@ -29,8 +29,8 @@ from bench.kernels import SHAPES, copy_bandwidth, median_us  # noqa: E402
 
 @contextlib.contextmanager
 def launch_constants(**constants):
-    """``kernels.verify_attention``'s module constants set for the block, then restored
-    (also when the block fails)."""
+    """``kernels.verify_attention``'s module constants (or functions) set for the block,
+    then restored (also when the block fails)."""
     saved = {name: getattr(va, name) for name in constants}
     for name, value in constants.items():
         setattr(va, name, value)
@@ -72,6 +72,8 @@ def main() -> None:
     p.add_argument("--block-n", nargs="+", type=int, default=[32, 64, 128])
     p.add_argument("--warps", nargs="+", type=int, default=[4, 8])
     p.add_argument("--stages", nargs="+", type=int, default=[2, 3, 4])
+    p.add_argument("--splits", nargs="+", type=int, default=[0],
+                   help="split counts to time (0: the shipped rule, splits_for)")
     p.add_argument("--merge-lanes", nargs="+", type=int, default=[16, 32, 64, 128],
                    help="merge-alone timings for these MERGE_MAX_LANES caps")
     p.add_argument("--out", default="docs/results/decode-configs-h200.md")
@@ -80,7 +82,7 @@ def main() -> None:
 
     heads, kv_heads, dim = SHAPES[args.shape]
     bandwidth = copy_bandwidth()
-    shipped = (va.RESIDENT_PER_SM, va.BLOCK_N, va.SPLIT_WARPS, va.SPLIT_STAGES)
+    shipped = (va.RESIDENT_PER_SM, va.tile_slots(dim), va.SPLIT_WARPS, va.split_stages(dim))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     lines = [
@@ -90,7 +92,8 @@ def main() -> None:
         f"- GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}; triton {triton.__version__}",
         f"- Command: `python {' '.join(shlex.quote(a) for a in sys.argv)}`",
         f"- Copy bandwidth measured in this run: {bandwidth / 1e12:.2f} TB/s (read + write).",
-        f"- Shipped configuration (resident/SM, BLOCK_N, warps, stages): {shipped}.",
+        f"- Shipped configuration (resident/SM, BLOCK_N, warps, stages): {shipped}; "
+        "best rows add the split count.",
         "- Per-call microseconds (bench/kernels.py's median_us: many calls per graph "
         "replay); ratios to the K+V floor of the same run.",
         "",
@@ -115,17 +118,19 @@ def main() -> None:
         pos1 = posv[:, -1:].contiguous()
         floor_us = 2 * k.numel() * k.element_size() / bandwidth * 1e6
         best = None
-        for resident, bn, warps, stages in itertools.product(
-                args.resident_per_sm, args.block_n, args.warps, args.stages):
+        for resident, bn, warps, stages, fixed in itertools.product(
+                args.resident_per_sm, args.block_n, args.warps, args.stages, args.splits):
             row = f"| {ctx} | {batch} | {resident} | {bn} | {warps} | {stages} |"
-            with launch_constants(RESIDENT_PER_SM=resident, BLOCK_N=bn, SPLIT_WARPS=warps,
-                                  SPLIT_STAGES=stages):
-                splits = va.splits_for(torch.device("cuda"), batch * kv_heads, ctx)
+            with launch_constants(RESIDENT_PER_SM=resident, SPLIT_WARPS=warps,
+                                  SPLIT_STAGES=stages, tile_slots=lambda d, bn=bn: bn):
+                splits = fixed or va.splits_for(torch.device("cuda"), batch * kv_heads, ctx, bn)
                 try:
                     err = checked(q1[:2], k[:2, :, :4096], v[:2, :, :4096],
                                   pos1[:2] - ctx + 4096, 4096)
-                    decode = median_us(lambda: va.verify_attention(q1, k, v, pos1, ctx))
-                    verify = median_us(lambda: va.verify_attention(qv, k, v, posv, ctx))
+                    decode = median_us(lambda: va.verify_attention(q1, k, v, pos1, ctx,
+                                                                   splits=splits))
+                    verify = median_us(lambda: va.verify_attention(qv, k, v, posv, ctx,
+                                                                   splits=splits))
                     merge = merge_only_us(batch, kv_heads, heads, dim, 1, splits)
                 except Exception as exc:  # e.g. out of shared memory for a wide tile
                     lines.append(f"{row} {splits} | failed: {type(exc).__name__} | | | | | |")
@@ -136,11 +141,12 @@ def main() -> None:
             print(lines[-1], flush=True)
             flush()
             if best is None or decode < best[0]:
-                best = (decode, resident, bn, warps, stages)
+                best = (decode, resident, bn, warps, stages, splits)
         if best is not None:
             lines.append(f"| {ctx} | {batch} | **best** {best[1:]} | | | | | "
                          f"**{best[0]:.1f}** | **{best[0] / floor_us:.2f}** | | | | |")
-        splits = va.splits_for(torch.device("cuda"), batch * kv_heads, ctx)  # shipped
+        splits = va.splits_for(torch.device("cuda"), batch * kv_heads, ctx,
+                               va.tile_slots(dim))  # shipped
         merges = ", ".join(
             f"{lanes} lanes {merge_only_us(batch, kv_heads, heads, dim, 1, splits, lanes):.1f}"
             for lanes in args.merge_lanes)

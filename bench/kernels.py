@@ -3,10 +3,11 @@
 For each (ctx, batch): the device-to-device copy bandwidth measured in the same run;
 single-row decode attention (ours, PyTorch SDPA); a 9-row verify (ours, ours with fused
 Collect-2-Query scores, SDPA); the deferred Collect-2-Query weight scores after a verify
-(``collect_scores``, as a ratio to the 9-row verify); a 5% sparse draft (ours; PyTorch
-gather + SDPA). Every figure is a median over CUDA-event timings after warm-up, reported
-as microseconds and as a ratio. Kernels are first checked against the float32 reference
-on fresh inputs.
+(``collect_scores``, as a ratio to the 9-row verify); the 9-row verify keeping the edge
+rows' logits plus ``edge_weight_scores`` (the same weight scores without reading K again);
+a 5% sparse draft (ours; PyTorch gather + SDPA). Every figure is a median over CUDA-event
+timings after warm-up, reported as microseconds and as a ratio. Kernels are first checked
+against the float32 reference on fresh inputs.
 
     python bench/kernels.py --out docs/results/kernels-h200.md
 """
@@ -24,11 +25,13 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels.collect_scores import collect_scores, reference_collect_scores  # noqa: E402
+from kernels.collect_scores import (collect_scores, edge_weight_scores,  # noqa: E402
+                                    reference_collect_scores)
 from kernels.sparse_attention import reference_sparse_attention, sparse_attention  # noqa: E402
 from kernels.verify_attention import reference_verify_attention, verify_attention  # noqa: E402
 
-SHAPES = {"qwen3-8b": (32, 8, 128), "llama-3.1-8b": (32, 8, 128)}  # heads, kv heads, dim
+SHAPES = {"qwen3-8b": (32, 8, 128), "llama-3.1-8b": (32, 8, 128),  # heads, kv heads, dim
+          "smollm2-135m": (9, 3, 64)}
 WARMUP, REPEATS = 5, 30
 CALLS_PER_GRAPH = 20
 
@@ -91,6 +94,9 @@ def check(heads, kv_heads, dim) -> str:
     weights = collect_scores(q, k, pos, w, ctx, lse)
     ref_weights = reference_collect_scores(q.float(), k.float(), pos, w, ctx, ref_lse)
     e4 = ((weights - ref_weights).abs().max() / ref_weights.abs().max()).item()
+    _, _, edges = verify_attention(q, k, v, pos, ctx, edge_logits=True)
+    from_edges = edge_weight_scores(edges, lse, pos, w, ctx)
+    e5 = ((from_edges - ref_weights).abs().max() / ref_weights.abs().max()).item()
     budget = ctx // 20
     idx = torch.stack([torch.randperm(ctx - rows, device="cuda")[:budget] for _ in range(b)])[:, None]
     counts = torch.full((b,), budget, device="cuda")
@@ -101,7 +107,8 @@ def check(heads, kv_heads, dim) -> str:
     e3 = (sp.float() - sref).abs().max().item()
     return (f"bf16 vs float32 reference at ctx 4096, batch 2: verify out max abs error {e1:.2e}, "
             f"fused scores max relative error {e2:.2e}, deferred weight scores max relative "
-            f"error {e4:.2e}, sparse out max abs error {e3:.2e}")
+            f"error {e4:.2e}, edge weight scores max relative error {e5:.2e}, sparse out max "
+            f"abs error {e3:.2e}")
 
 
 def bench(heads, kv_heads, dim, ctx, batch, bandwidth, rows: int) -> dict:
@@ -124,6 +131,12 @@ def bench(heads, kv_heads, dim, ctx, batch, bandwidth, rows: int) -> dict:
     r["verify_collect"] = median_us(lambda: verify_attention(q9, k, v, pos9, ctx, w))
     _, lse9, _ = verify_attention(q9, k, v, pos9, ctx)
     r["collect_weights"] = median_us(lambda: collect_scores(q9, k, pos9, w, ctx, lse9))
+
+    def verify_edge_weights():
+        _, lse, edges = verify_attention(q9, k, v, pos9, ctx, edge_logits=True)
+        return edge_weight_scores(edges, lse, pos9, w, ctx)
+
+    r["verify_edge_weights"] = median_us(verify_edge_weights)
     mask = torch.arange(ctx, device=dev) <= pos9[:, None, :, None]
     sq9 = q9.transpose(1, 2)
     r["verify_sdpa"] = median_us(lambda: F.scaled_dot_product_attention(
@@ -172,9 +185,9 @@ def main() -> None:
         "",
         f"| ctx | batch | floor | decode ours | decode SDPA | verify-{args.verify_rows} ours | "
         f"+fused scores | verify-{args.verify_rows} SDPA | verify/decode | deferred weight "
-        f"scores / verify-{args.verify_rows} | sparse 5% ours | "
+        f"scores / verify-{args.verify_rows} | +edge weight scores | sparse 5% ours | "
         "gather+SDPA | sparse/decode |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for ctx in args.ctx:
         for batch in args.batch:
@@ -186,6 +199,8 @@ def main() -> None:
                 f"(+{100 * (r['verify_collect'] / r['verify_ours'] - 1):.0f}%) | "
                 f"{r['verify_sdpa']:.0f} | {r['verify_ours'] / r['decode_ours']:.2f} | "
                 f"{r['collect_weights']:.0f} ({r['collect_weights'] / r['verify_ours']:.2f}) | "
+                f"{r['verify_edge_weights']:.0f} "
+                f"(+{100 * (r['verify_edge_weights'] / r['verify_ours'] - 1):.0f}%) | "
                 f"{r['sparse_ours']:.0f} | {r['sparse_gather_sdpa']:.0f} | "
                 f"{r['sparse_ours'] / r['decode_ours']:.2f} |")
             print(lines[-1], flush=True)

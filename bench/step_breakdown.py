@@ -1,4 +1,4 @@
-"""Where a vanilla decode step's time goes, kernel by kernel, against its floor.
+"""Where a decode (or draft) step's time goes, kernel by kernel, against its floor.
 
 Random weights of a real shape and a random KV cache at ``ctx`` (as bench/steps.py). The
 step is run eagerly under the PyTorch profiler to get each kernel's device time (a kernel
@@ -6,6 +6,8 @@ runs as long eagerly as in a graph), grouped by what it does; the GEMMs' time is
 against the weight bytes they read, the attention kernels' against the K+V bytes, both as
 fractions of the copy bandwidth measured in the same run. The CUDA-graph replay of the
 same step, minus the kernels' summed time, is the time between kernels in the graph.
+With ``--draft-sparsity`` the step is a draft: each layer and sequence attends to a random
+selection of the budget's slots (``draft_budget``) plus a tail of DRAFT_TAIL slots.
 
     python bench/step_breakdown.py --out docs/results/step-breakdown-h200.md
 """
@@ -27,10 +29,12 @@ from bench.steps import (copy_bandwidth, kv_bytes_per_token, vanilla_step_second
                          weight_bytes_read)
 
 PROFILED_STEPS = 5
+DRAFT_TAIL = 4  # slots written since the selection, mid-iteration at gamma 6
 # Kernel-name fragments -> group, first match wins (Triton kernels keep their function
 # names; cuBLAS/cuTLASS GEMMs carry one of the GEMM fragments).
 GROUPS = (
     ("attention: split", ("_verify_split_kernel",)),
+    ("attention: sparse split", ("_sparse_split_kernel",)),
     ("attention: merge", ("_merge_kernel",)),
     ("rms norm (+ residual)", ("rms_norm",)),
     ("q/k norm + rope + KV write", ("rope_store",)),
@@ -47,20 +51,29 @@ def group_of(name: str) -> str:
     return "other: " + name[:60]
 
 
-def kernel_times(model, cache) -> dict[str, tuple[float, int]]:
+def draft_selection(model, cache, budget: int, generator):
+    """A SparseSelection of ``budget`` random prefix slots per layer and sequence, with
+    the last DRAFT_TAIL slots before each sequence's length as its tail."""
+    from vegas_core.attention import SparseSelection
+
+    layers, b = model.config.num_layers, cache.batch_size
+    prefix = int(cache.lengths.min()) - DRAFT_TAIL
+    scores = torch.rand(layers * b, prefix, device=cache.lengths.device, generator=generator)
+    indices = scores.topk(budget, dim=-1).indices.sort(dim=-1).values  # distinct slots
+    return SparseSelection(indices.view(layers, b, 1, budget),
+                           torch.full((layers, b), budget, device=indices.device),
+                           cache.lengths - DRAFT_TAIL, tail_floor=prefix)
+
+
+def kernel_times(model, cache, tokens, meta) -> dict[str, tuple[float, int]]:
     """Device seconds per step and kernel launches per step, by group."""
     from torch.profiler import ProfilerActivity, profile
 
-    from vegas_core.attention import AttentionMeta
-
-    net, b = model.net, cache.batch_size
-    tokens = torch.randint(0, model.config.vocab_size, (b, 1), device=model.device)
+    net = model.net
     positions = cache.lengths[:, None].clone()
 
     def step():
-        hidden = net(tokens, positions, cache, AttentionMeta.full(positions, cache.max_len,
-                                                                    model.config.window))
-        return net.logits(hidden[:, -1])
+        return net.logits(net(tokens, positions, cache, meta(positions))[:, -1])
 
     with torch.inference_mode():
         for _ in range(3):
@@ -84,6 +97,9 @@ def main() -> None:
     p.add_argument("--model", default="qwen3-8b")
     p.add_argument("--ctx", nargs="+", type=int, default=[32768, 65536])
     p.add_argument("--batch", nargs="+", type=int, default=[1, 8])
+    p.add_argument("--draft-sparsity", type=float, default=None,
+                   help="profile a draft step at this sparsity instead of a decode step")
+    p.add_argument("--min-tokens", type=int, default=256, help="the draft budget's minimum")
     p.add_argument("--out", default="docs/results/step-breakdown-h200.md")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -91,13 +107,17 @@ def main() -> None:
     import triton
 
     from vegas_core import load_model
+    from vegas_core.attention import AttentionMeta
+    from vegas_core.spec_config import draft_budget
 
     bandwidth = copy_bandwidth()
     model = load_model(f"dummy:{args.model}", device="cuda", dtype="bfloat16")
     wbytes = weight_bytes_read(model.net)
     per_token = kv_bytes_per_token(model.config)
     lines = [
-        f"# A vanilla decode step, kernel by kernel ({args.model}, bf16, random weights)",
+        ("# A vanilla decode step" if args.draft_sparsity is None else
+         f"# A draft step (sparsity {args.draft_sparsity}, min tokens {args.min_tokens}, a "
+         f"tail of {DRAFT_TAIL})") + f", kernel by kernel ({args.model}, bf16, random weights)",
         "",
         f"- GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}; triton {triton.__version__}",
         f"- Command: `python {shlex.join(sys.argv)}`",
@@ -116,10 +136,22 @@ def main() -> None:
                 cache.k[layer].normal_(generator=gen)
                 cache.v[layer].normal_(generator=gen)
             cache.lengths.fill_(ctx)
-            kv = per_token * b * ctx
+            tokens = torch.randint(0, model.config.vocab_size, (b, 1), device="cuda",
+                                   generator=gen)
+            window = model.config.window
+            if args.draft_sparsity is None:
+                keys = ctx
+                meta = lambda pos: AttentionMeta.full(pos, cache.max_len, window)  # noqa: E731
+            else:
+                budget = draft_budget(ctx - DRAFT_TAIL, args.draft_sparsity, args.min_tokens)
+                keys = budget + DRAFT_TAIL + 1  # the selection, the tail, the own slot
+                sel = draft_selection(model, cache, budget, gen)
+                meta = lambda pos: AttentionMeta.draft(  # noqa: E731
+                    pos, cache.max_len, sel, window)
+            kv = per_token * b * keys
             floor = (wbytes + kv) / bandwidth
-            graph_step = vanilla_step_seconds(model, cache)
-            groups = kernel_times(model, cache)
+            graph_step = vanilla_step_seconds(model, cache, tokens, meta)
+            groups = kernel_times(model, cache, tokens, meta)
             summed = sum(t for t, _ in groups.values())
             launches = sum(n for _, n in groups.values())
             lines += [
@@ -139,7 +171,7 @@ def main() -> None:
                 frac = ""
                 if g == "GEMM":
                     frac = f"{wbytes / t / bandwidth:.2f}"
-                elif g == "attention: split":
+                elif g in ("attention: split", "attention: sparse split"):
                     frac = f"{kv / t / bandwidth:.2f} (with merge {kv / attention / bandwidth:.2f})"
                 lines.append(f"| {g} | {n} | {1e3 * t:.3f} | {t / graph_step:.1%} | {frac} |")
             lines.append("")

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.acceptance import write_atomic  # noqa: E402
 
-MODELS = ("qwen3-8b", "llama-3.1-8b", "gpt-oss-20b", "qwen3-30b-a3b")
+MODELS = ("qwen3-8b", "llama-3.1-8b", "gpt-oss-20b", "qwen3-30b-a3b", "smollm2-135m")
 STEP_REPEATS = 30  # vanilla step replays timed
 ITERATIONS, WARMUP_ITERATIONS = 12, 3
 HEADROOM = 12 << 30  # bytes left free beside weights and cache (graphs, scores, logits)
@@ -127,20 +127,29 @@ def kv_bytes_read(config, ctx: int, batch: int, dtype_bytes: int = 2) -> int:
     return 2 * config.num_kv_heads * config.head_dim * dtype_bytes * tokens * batch
 
 
+def draft_kv_bytes_read(config, ctx: int, batch: int, keys: float, dtype_bytes: int = 2) -> float:
+    """K/V bytes a draft step reads: ``keys`` slots per sequence (selection + tail) in
+    the selecting layers, the window (or whole context) in the others."""
+    window = config.window
+    tokens = sum(min(ctx, window.size) if window is not None and window.applies(i) else keys
+                 for i in range(config.num_layers))
+    return 2 * config.num_kv_heads * config.head_dim * dtype_bytes * tokens * batch
+
+
 def kv_bytes_per_token(config, dtype_bytes: int = 2) -> int:
     return config.num_layers * 2 * config.num_kv_heads * config.head_dim * dtype_bytes
 
 
-def vanilla_step_seconds(model, cache, tokens: torch.Tensor) -> float:
+def vanilla_step_seconds(model, cache, tokens: torch.Tensor, meta=None) -> float:
     """Median seconds of a captured vanilla step of ``tokens`` [B, 1] at the cache's
-    lengths."""
+    lengths; ``meta(positions)``: another step's attention (e.g. a draft's)."""
     from vegas_core.attention import AttentionMeta
     from vegas_core.graphs import StaticForward, new_pool
 
     dev = model.device
-    forward = StaticForward(model.net, cache, cache.batch_size, 1,
-                            lambda pos: AttentionMeta.full(pos, cache.max_len,
-                                                                model.config.window),
+    if meta is None:
+        meta = lambda pos: AttentionMeta.full(pos, cache.max_len, model.config.window)  # noqa: E731
+    forward = StaticForward(model.net, cache, cache.batch_size, 1, meta,
                             all_rows=False, device=dev, pool=new_pool(dev))
     positions = cache.lengths[:, None].clone()
     times = []
@@ -216,7 +225,7 @@ def run(args, save) -> dict:
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
               "triton": triton.__version__, "command": "python " + shlex.join(sys.argv),
               "copy_bandwidth": bandwidth, "gamma": args.gamma, "sparsity": args.sparsity,
-              "min_tokens": args.min_tokens, "rows": []}
+              "min_tokens": args.min_tokens, "score": args.score, "rows": []}
     # Room for the iterations to come (each advances a sequence by at most gamma + 1) and
     # for a session's last one.
     margin = (args.gamma + 1) * (ITERATIONS + WARMUP_ITERATIONS + 2)
@@ -242,10 +251,17 @@ def run(args, save) -> dict:
                 if routed:
                     row["experts_read"] = statistics.fmean(routed.values())
                     row["experts"] = model.config.num_experts
+                weights_only = weight_bytes_read(model.net, routed)
                 for drafter in args.drafters:
                     spec = SpecConfig(drafter=drafter, gamma=args.gamma, sparsity=args.sparsity,
-                                      min_tokens=args.min_tokens)
-                    row[drafter] = iteration_seconds(model, prompts, spec)
+                                      min_tokens=args.min_tokens, score=args.score)
+                    it = iteration_seconds(model, prompts, spec)
+                    # A draft step reads the weights and, per sequence, the selection and
+                    # a tail of (gamma + 1) / 2 slots on average.
+                    keys = it["drafted_budget"] + (args.gamma + 1) / 2
+                    it["draft_floor"] = (weights_only + draft_kv_bytes_read(
+                        model.config, ctx, b, keys)) / bandwidth
+                    row[drafter] = it
                 result["rows"].append(row)
                 save(result)  # a run cut short keeps its finished rows
                 print(json.dumps(row), file=sys.stderr, flush=True)
@@ -264,7 +280,8 @@ def render(result: dict, tau: dict[str, float], tau_source: str) -> str:
     drafters = [d for d in ("vegas", "streaming") if any(d in r for r in result["rows"])]
     lines = [
         f"# Decode steps and iterations vs the bandwidth floor (gamma {result['gamma']}, "
-        f"sparsity {result['sparsity']}, min tokens {result['min_tokens']}; bf16, random weights "
+        f"sparsity {result['sparsity']}, min tokens {result['min_tokens']}, "
+        f"{result.get('score', 'logit')} scores; bf16, random weights "
         "of the real shape)",
         "",
         f"- GPU: {result['gpu']}; torch {result['torch']}; triton {result['triton']}",
@@ -299,6 +316,23 @@ def render(result: dict, tau: dict[str, float], tau_source: str) -> str:
                          f"{ms(it['selection'])})")
             cells.append(f"{100 * it['selection_share']:.1f}%")
         lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "## Each step against its own floor", "",
+              f"A draft step is the draft phase / gamma; its floor reads the weights and each "
+              "sequence's selection plus half the tail (sliding layers: their window). A verify "
+              "pass is the verify phase, against one vanilla step.", "",
+              "| model | ctx | batch | vanilla / floor | "
+              + " | ".join(f"{d} draft step (floor) | / floor | {d} verify / vanilla"
+                           for d in drafters) + " |",
+              "| --- | --- | --- | --- |" + " --- | --- | --- |" * len(drafters)]
+    for r in result["rows"]:
+        if "skipped" in r or not all("draft_floor" in r[d] for d in drafters):
+            continue
+        cells = [r["model"], str(r["ctx"]), str(r["batch"]), f"{r['vanilla'] / r['floor']:.2f}"]
+        for d in drafters:
+            step = r[d]["draft"] / result["gamma"]
+            cells += [f"{ms(step)} ({ms(r[d]['draft_floor'])})",
+                      f"{step / r[d]['draft_floor']:.2f}", f"{r[d]['verify'] / r['vanilla']:.2f}"]
+        lines.append("| " + " | ".join(cells) + " |")
     if tau:
         lines += ["", f"## Modelled tokens/s (accepted lengths: {tau_source})", "",
                   "tokens/s = batch x mean accepted length / iteration time; vanilla: batch / "
@@ -328,6 +362,8 @@ def main() -> None:
     p.add_argument("--gamma", type=int, default=6)
     p.add_argument("--sparsity", type=float, default=0.05)
     p.add_argument("--min-tokens", type=int, default=256)
+    p.add_argument("--score", default="logit", choices=("logit", "weight"),
+                   help="vegas selection scores")
     p.add_argument("--tau", nargs="*", default=[], metavar="DRAFTER=LENGTH",
                    help="mean accepted length per drafter, for the modelled tokens/s table")
     p.add_argument("--tau-source", default="given on the command line",
