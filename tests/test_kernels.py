@@ -503,3 +503,6 @@ def test_hybrid_and_moe_models_on_the_static_kernel_path_match_the_reference(
     monkeypatch.setenv("VEGAS_CUDA_GRAPHS", "static")
     assert run() == ref_vanilla
     assert run(spec=spec) == ref_spec == ref_vanilla
+    # Weight scores: the global layers' edge logits, lse with the sinks.
+    assert run(spec=SpecConfig(drafter="vegas", gamma=2, sparsity=0.1, min_tokens=4,
+                               score="weight")) == ref_vanilla
