@@ -9,7 +9,7 @@ ranks the prefix slots of each KV head by the attention of a few window rows:
 with ``x = q.k / sqrt(D)`` (``logit``) or the softmax probability (``weight``);
 invisible slots count 0. A ``ScoreCollector`` rides along the verify forward and
 ``finish(rows)`` hands the drafter that [L', B, H_kv, S] tensor, one row per collected
-layer in ascending order, whichever of three paths filled it:
+layer in ascending order, whichever of four paths filled it:
 
 - **fused** (``fusable``): the rows are known before the pass (Collect-2-Query or all
   rows, logit scores), so the verify kernel sums them on the fly;
