@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.acceptance import write_atomic  # noqa: E402
-from bench.steps import (copy_bandwidth, kv_bytes_per_token, vanilla_step_seconds,  # noqa: E402
+from bench.steps import (copy_bandwidth, kv_bytes_per_token, step_seconds,  # noqa: E402
                          weight_bytes_read)
 
 PROFILED_STEPS = 5
@@ -150,7 +150,7 @@ def main() -> None:
                     pos, cache.max_len, sel, window)
             kv = per_token * b * keys
             floor = (wbytes + kv) / bandwidth
-            graph_step = vanilla_step_seconds(model, cache, tokens, meta)
+            graph_step = step_seconds(model, cache, tokens, meta)
             groups = kernel_times(model, cache, tokens, meta)
             summed = sum(t for t, _ in groups.values())
             launches = sum(n for _, n in groups.values())

@@ -118,19 +118,13 @@ def experts_read(model, cache, tokens: torch.Tensor, positions: torch.Tensor) ->
     return counts
 
 
-def kv_bytes_read(config, ctx: int, batch: int, dtype_bytes: int = 2) -> int:
+def kv_bytes_read(config, ctx: int, batch: int, dtype_bytes: int = 2,
+                  keys: float | None = None) -> float:
     """K/V bytes a decode step reads at ``ctx`` tokens per sequence: a sliding layer
-    reads its window only."""
+    reads its window only. ``keys``: a draft step's slots per sequence (selection and
+    tail) in the other layers, instead of the whole context."""
     window = config.window
-    tokens = sum(min(ctx, window.size) if window is not None and window.applies(i) else ctx
-                 for i in range(config.num_layers))
-    return 2 * config.num_kv_heads * config.head_dim * dtype_bytes * tokens * batch
-
-
-def draft_kv_bytes_read(config, ctx: int, batch: int, keys: float, dtype_bytes: int = 2) -> float:
-    """K/V bytes a draft step reads: ``keys`` slots per sequence (selection + tail) in
-    the selecting layers, the window (or whole context) in the others."""
-    window = config.window
+    keys = ctx if keys is None else keys
     tokens = sum(min(ctx, window.size) if window is not None and window.applies(i) else keys
                  for i in range(config.num_layers))
     return 2 * config.num_kv_heads * config.head_dim * dtype_bytes * tokens * batch
@@ -140,7 +134,7 @@ def kv_bytes_per_token(config, dtype_bytes: int = 2) -> int:
     return config.num_layers * 2 * config.num_kv_heads * config.head_dim * dtype_bytes
 
 
-def vanilla_step_seconds(model, cache, tokens: torch.Tensor, meta=None) -> float:
+def step_seconds(model, cache, tokens: torch.Tensor, meta=None) -> float:
     """Median seconds of a captured vanilla step of ``tokens`` [B, 1] at the cache's
     lengths; ``meta(positions)``: another step's attention (e.g. a draft's)."""
     from vegas_core.attention import AttentionMeta
@@ -245,13 +239,12 @@ def run(args, save) -> dict:
                     continue
                 cache, prompts, tokens = fill_kept_cache(model, b, ctx, margin, seed=ctx + b)
                 routed = experts_read(model, cache, tokens, cache.lengths[:, None].clone())
-                floor = (weight_bytes_read(model.net, routed)
-                         + kv_bytes_read(model.config, ctx, b)) / bandwidth
-                row.update(floor=floor, vanilla=vanilla_step_seconds(model, cache, tokens))
+                weights = weight_bytes_read(model.net, routed)
+                floor = (weights + kv_bytes_read(model.config, ctx, b)) / bandwidth
+                row.update(floor=floor, vanilla=step_seconds(model, cache, tokens))
                 if routed:
                     row["experts_read"] = statistics.fmean(routed.values())
                     row["experts"] = model.config.num_experts
-                weights_only = weight_bytes_read(model.net, routed)
                 for drafter in args.drafters:
                     spec = SpecConfig(drafter=drafter, gamma=args.gamma, sparsity=args.sparsity,
                                       min_tokens=args.min_tokens, score=args.score)
@@ -259,8 +252,8 @@ def run(args, save) -> dict:
                     # A draft step reads the weights and, per sequence, the selection and
                     # a tail of (gamma + 1) / 2 slots on average.
                     keys = it["drafted_budget"] + (args.gamma + 1) / 2
-                    it["draft_floor"] = (weights_only + draft_kv_bytes_read(
-                        model.config, ctx, b, keys)) / bandwidth
+                    it["draft_floor"] = (weights + kv_bytes_read(model.config, ctx, b,
+                                                                 keys=keys)) / bandwidth
                     row[drafter] = it
                 result["rows"].append(row)
                 save(result)  # a run cut short keeps its finished rows
