@@ -20,6 +20,8 @@ from kernels.collect_scores import (COLLECT_TILES, collect_scores,  # noqa: E402
                                     edge_weight_scores, reference_collect_scores)
 import kernels.verify_attention as verify_module  # noqa: E402
 from kernels.verify_attention import BLOCK_N, merge_partials, split_buffers  # noqa: E402
+from kernels.select_slots import (reference_topk_slots, reserved_slots,  # noqa: E402
+                                   topk_slots)
 from kernels.sparse_attention import reference_sparse_attention, sparse_attention  # noqa: E402
 from kernels.verify_attention import reference_verify_attention, verify_attention  # noqa: E402
 
@@ -418,6 +420,71 @@ def test_one_launch_serves_two_lengths():
         ref_draft = reference_sparse_attention(q[:, -1:].double(), k.double(), v.double(),
                                                positions[:, -1:], indices, counts, tail_start)
         torch.testing.assert_close(draft.double(), ref_draft, atol=tol, rtol=tol)
+
+
+def assert_same_top_slots(got, scores, prefix, budget, k_cap, sum_heads, reserved):
+    """Each row of ``got`` holds budget[b] distinct prefix slots, ascending, then zeros;
+    the reserved window's slots among them, and scores that equal the reference top-k's
+    (sets may differ only between equal scores)."""
+    ref = reference_topk_slots(scores, prefix, budget, k_cap, sum_heads, reserved)
+    summed = scores.sum(2, keepdim=True) if sum_heads else scores
+    assert got.shape == ref.shape
+    for layer in range(got.shape[0]):
+        for b in range(got.shape[1]):
+            n = int(budget[b])
+            must = set()
+            if reserved is not None:
+                must = set(reserved_slots(prefix, reserved, scores.shape[-1])[b]
+                           .nonzero().flatten().tolist())
+            for g in range(got.shape[2]):
+                row = got[layer, b, g].tolist()
+                chosen = row[:n]
+                assert chosen == sorted(set(chosen)) and all(s < prefix[b] for s in chosen)
+                assert all(s == 0 for s in row[n:])
+                assert must <= set(chosen)
+                picked = sorted(summed[layer, b, g, s].item() for s in set(chosen) - must)
+                best = sorted(summed[layer, b, g, s].item() for s in ref[layer, b, g, :n].tolist()
+                              if s not in must)
+                assert picked == best
+
+
+@pytest.mark.parametrize("span, ties", [(40, False), (300, False), (1000, True), (4096, False)])
+@pytest.mark.parametrize("sum_heads", [False, True])
+@pytest.mark.parametrize("window", [False, True])
+def test_topk_slots_takes_the_reference_top_k(span, ties, sum_heads, window):
+    """Ragged prefixes and budgets (zero, the whole prefix, between), with ties (scores
+    rounded to integers) or without; heads summed or ranked one by one; a reserved window
+    of sinks and recent slots or none. Scores are a slice of a longer buffer, as the
+    engine's score home is."""
+    g = torch.Generator().manual_seed(span)
+    layers, batch, heads = 2, 4, 3
+    home = torch.randn(layers, batch, heads, span + 24, generator=g).to(DEVICE)
+    scores = home[..., :span]
+    if ties:
+        scores = scores.mul(2).round()
+    prefix = torch.tensor([span, span // 2, 7, 1], device=DEVICE)
+    budget = torch.stack([prefix[0] // 20, prefix[1], torch.tensor(0, device=DEVICE),
+                          prefix[3]])
+    k_cap = span // 2
+    reserved = torch.floor(budget.double() * 0.5).long() if window else None
+    got = topk_slots(scores, prefix, budget, k_cap, sum_heads, reserved)
+    assert_same_top_slots(got, scores, prefix, budget, k_cap, sum_heads, reserved)
+
+
+def test_topk_slots_one_launch_serves_new_lengths_and_budgets():
+    """The launch reads prefix lengths and budgets from the device: replayed (a captured
+    CUDA graph on a GPU) after they change in place, it selects for the new ones."""
+    layers, batch, heads, span = 2, 3, 2, 512
+    scores = torch.empty(layers, batch, heads, span, device=DEVICE)
+    prefix = torch.zeros(batch, dtype=torch.long, device=DEVICE)
+    budget = torch.zeros(batch, dtype=torch.long, device=DEVICE)
+    replay = captured(lambda: topk_slots(scores, prefix, budget, span // 4, sum_heads=True))
+    g = torch.Generator().manual_seed(11)
+    for lengths, budgets in (([100, 20, 512], [10, 20, 30]), ([500, 3, 256], [128, 0, 13])):
+        scores.copy_(torch.randn(scores.shape, generator=g))
+        prefix.copy_(torch.tensor(lengths))
+        budget.copy_(torch.tensor(budgets))
+        assert_same_top_slots(replay(), scores, prefix, budget, span // 4, True, None)
 
 
 @pytest.mark.parametrize("drafter", ["vegas", "streaming", "snapkv"])

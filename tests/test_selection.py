@@ -19,6 +19,17 @@ from tests.test_engine import tiny_model
 L, B, HKV, T, S = 3, 2, 2, 5, 40
 
 
+@pytest.fixture(params=["reference", "triton"])
+def selection_path(request, monkeypatch):
+    """Top-k by PyTorch, or by ``kernels.select_slots`` in Triton's interpreter. These
+    tables live on the CPU: on a GPU machine the kernel's own tests (tests/test_kernels.py)
+    run it natively instead."""
+    if request.param == "triton" and torch.cuda.is_available():
+        pytest.skip("CPU tables; the GPU runs tests/test_kernels.py's top-k tests")
+    monkeypatch.setenv("VEGAS_ATTENTION", request.param)
+    return request.param
+
+
 def random_tables(seed: int = 0) -> dict[str, torch.Tensor]:
     """Per-row scores of a verify window, [L, B, H_kv, T, S], of either mode."""
     g = torch.Generator().manual_seed(seed)
@@ -67,7 +78,7 @@ def brute_force_vegas(tables, collect, score, granularity, prefix_len, budget, l
 @pytest.mark.parametrize("collect", COLLECT)
 @pytest.mark.parametrize("score", SCORES)
 @pytest.mark.parametrize("granularity", GRANULARITIES)
-def test_vegas_topk_matches_brute_force(collect, score, granularity):
+def test_vegas_topk_matches_brute_force(collect, score, granularity, selection_path):
     tables = random_tables()
     prefix_len, budget, last_row = [33, 20], [7, 5], [2, 0]
     spec = SpecConfig(collect=collect, score=score, granularity=granularity)
@@ -142,7 +153,7 @@ def test_budget_covering_the_prefix_selects_all_of_it():
         assert set(sel.indices[layer, 1, 0, :9].tolist()) == set(range(9))
 
 
-def test_streaming_keeps_sinks_and_the_most_recent_prefix():
+def test_streaming_keeps_sinks_and_the_most_recent_prefix(selection_path):
     sel = select(make_drafter(SpecConfig(drafter="streaming"), L), None, [100, 30], [40, 30],
                  [0, 0])
     first = set(sel.indices[0, 0, 0, : sel.counts[0, 0]].tolist())
@@ -228,7 +239,7 @@ def test_rollback_leaves_the_cache_as_vanilla_decoding_would():
 
 
 @pytest.mark.parametrize("window", [0.25, 0.5, 0.75])
-def test_window_reserves_sinks_and_recent_then_fills_by_score(window):
+def test_window_reserves_sinks_and_recent_then_fills_by_score(window, selection_path):
     tables = random_tables(3)
     prefix_len, budget = [36, 30], [12, 8]
     spec = SpecConfig(window=window, granularity="kv_head")

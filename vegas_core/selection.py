@@ -14,11 +14,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from vegas_core.attention import SparseSelection
+from kernels import select_slots
+from vegas_core.attention import SparseSelection, kernels_enabled
 from vegas_core.spec_config import SpecConfig, draft_budget
 
 # MagicDec-Stream: attention-sink tokens kept at the start of the prefix.
-STREAMING_SINKS = 16
+STREAMING_SINKS = select_slots.WINDOW_SINKS
 # MagicDec-Quest: page size and the scoring of pages by their key bounds.
 QUEST_PAGE = 16
 # SnapKV: observation window (last prompt rows) and pooling kernel.
@@ -63,15 +64,20 @@ class SelectionInputs:
 
 
 def _topk_selection(scores: torch.Tensor, prefix_len: torch.Tensor, budget: torch.Tensor,
-                    k_max: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """scores [L, B, G, S] -> (indices [L, B, G, K], counts [L, B]) of the top budget[b]
-    prefix slots (slots >= prefix_len[b] never chosen). ``k_max`` >= max(budget), known
-    on the host, avoids reading the budget back from the device."""
-    l, b, g, s = scores.shape
-    slots = torch.arange(s, device=scores.device)
-    scores = scores.masked_fill(slots >= prefix_len[None, :, None, None], float("-inf"))
+                    k_max: int | None = None, *, sum_heads: bool = False,
+                    reserved: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """scores [L, B, H, S] -> (indices [L, B, G, K], counts [L, B]) of the top budget[b]
+    prefix slots (slots >= prefix_len[b] never chosen), G = 1 when ``sum_heads`` sums
+    the heads' scores, else H; ``reserved[b]`` window slots (``streaming_slots``) come
+    first. ``k_max`` >= max(budget), known on the host, avoids reading the budget back
+    from the device. One Triton launch where the kernels serve (``kernels.select_slots``)."""
+    l, b = scores.shape[:2]
     k = max(int(budget.max()) if k_max is None else k_max, 1)
-    indices = torch.topk(scores, min(k, s), dim=-1).indices
+    if kernels_enabled(scores) and select_slots.serves(scores):
+        indices = select_slots.topk_slots(scores, prefix_len, budget, k, sum_heads, reserved)
+    else:
+        indices = select_slots.reference_topk_slots(scores, prefix_len, budget, k, sum_heads,
+                                                    reserved)
     return indices, budget[None].expand(l, b).clone()
 
 
@@ -81,19 +87,7 @@ def streaming_slots(prefix_len: torch.Tensor, reserved: torch.Tensor,
     that ``reserved[b]`` slots are marked (all of the prefix if it is shorter).
     ``span`` >= max(prefix_len) (default: read from the device)."""
     s = max(int(prefix_len.max()) if span is None else span, 1)
-    slots = torch.arange(s, device=prefix_len.device)[None]
-    sinks = torch.clamp(reserved, max=STREAMING_SINKS)[:, None]
-    recent_start = (prefix_len - (reserved - sinks.squeeze(1)))[:, None]
-    return ((slots < sinks) | (slots >= recent_start)) & (slots < prefix_len[:, None])
-
-
-def _reserve_window(scores: torch.Tensor, prefix_len: torch.Tensor, budget: torch.Tensor,
-                    window: float) -> torch.Tensor:
-    """Give the window's sink and recent slots +inf scores, so top-k keeps them and fills
-    the rest of the budget by score."""
-    reserved = torch.floor(budget.double() * window).long()
-    keep = streaming_slots(prefix_len, reserved, scores.shape[-1])  # [B, S]
-    return scores.masked_fill(keep[None, :, None, :], float("inf"))
+    return select_slots.reserved_slots(prefix_len, reserved, s)
 
 
 def collected_rows(collect: str, window_rows: int, last_row: torch.Tensor) -> torch.Tensor:
@@ -185,12 +179,14 @@ class VegasDrafter(Drafter):
         # Only prefix slots are candidates: the kernels' score rows may run longer.
         span = max(inputs.longest_prefix(), 1)
         scores = inputs.scores[..., :span]  # [L', B, H_kv, S]
-        if self.spec.granularity == "layer":
-            scores = scores.sum(dim=2, keepdim=True)
+        reserved = None
         if self.spec.window > 0:
-            scores = _reserve_window(scores, inputs.prefix_len, inputs.budget, self.spec.window)
+            # The window's sinks and recent slots first; the rest of the budget by score.
+            reserved = torch.floor(inputs.budget.double() * self.spec.window).long()
         k_max = inputs.largest_budget(self.spec.sparsity, self.spec.min_tokens)
-        indices, counts = _topk_selection(scores, inputs.prefix_len, inputs.budget, k_max)
+        indices, counts = _topk_selection(scores, inputs.prefix_len, inputs.budget, k_max,
+                                          sum_heads=self.spec.granularity == "layer",
+                                          reserved=reserved)
         return SparseSelection(indices, counts, inputs.prefix_len.clone(),
                                layers=None if self.every_layer else tuple(self.layers))
 

@@ -1,0 +1,153 @@
+"""Top-k prefix slots from selection scores, one launch for every layer and sequence.
+
+For each (layer l, sequence b, group g) the kernel forms
+
+    x[s] = sum over the group's heads h of scores[l, b, h, s],   s < prefix_len[b]
+
+(one head per group, or all H_kv heads when they are summed: ``layer`` granularity), ranks
+the reserved slots (a streaming window's sinks and most recent slots, ``reserved[b]`` of
+them) above every score, and writes the ``budget[b]`` best slots in ascending order, then
+zeros up to the list's capacity. This replaces a heads sum, a masked copy and
+``torch.topk``: each row of scores is read once and never written back.
+
+Exact top-k without sorting: a float's bits, read as an int32 and with the negative
+ones' magnitude bits flipped, order as the floats do. The kernel binary-searches that
+int32 key for the largest threshold t with at least ``budget`` keys >= t, between the
+row's lowest and highest keys, stopping early once exactly ``budget`` keys are >= the
+probe (between two consecutive scores): about 13-20 probes of the row, each a count. Ties at
+t go to the lowest slots; the selected set then equals ``torch.topk``'s up to the order
+of equal scores. The whole row stays in registers, so the search re-reads nothing: rows
+up to RESIDENT_SPAN slots (longer prefixes use the PyTorch path, ``reference_topk_slots``).
+
+``reference_topk_slots`` is the PyTorch ground truth (and that fallback).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the reference path is used
+    triton = None
+
+# Longest row the kernel keeps in registers: 32 float32 scores per thread at 16 warps.
+RESIDENT_SPAN = 16384
+SCORES_PER_THREAD = 32
+MAX_WARPS = 16
+# Streaming window (MagicDec-Stream and Vegas's reserved share): sink slots at the start.
+WINDOW_SINKS = 16
+
+__all__ = ["RESIDENT_SPAN", "reference_topk_slots", "serves", "topk_slots"]
+
+
+def reserved_slots(prefix_len: torch.Tensor, reserved: torch.Tensor, span: int) -> torch.Tensor:
+    """Boolean [B, span]: up to WINDOW_SINKS sink slots, then the most recent prefix
+    slots, ``reserved[b]`` in all (all of the prefix if it is shorter)."""
+    slots = torch.arange(max(span, 1), device=prefix_len.device)[None]
+    sinks = torch.clamp(reserved, max=WINDOW_SINKS)[:, None]
+    recent_start = (prefix_len - reserved)[:, None] + sinks
+    return ((slots < sinks) | (slots >= recent_start)) & (slots < prefix_len[:, None])
+
+
+def reference_topk_slots(scores: torch.Tensor, prefix_len: torch.Tensor, budget: torch.Tensor,
+                         k_cap: int, sum_heads: bool = False,
+                         reserved: torch.Tensor | None = None) -> torch.Tensor:
+    """scores [L, B, H, S] -> indices [L, B, G, min(k_cap, S)] (G = 1 if ``sum_heads``
+    else H): per row the top ``budget[b]`` slots below ``prefix_len[b]``, by score, the
+    ``reserved[b]`` window slots first. Entries past the budget are unspecified."""
+    if sum_heads:
+        scores = scores.sum(dim=2, keepdim=True)
+    s = scores.shape[-1]
+    slots = torch.arange(s, device=scores.device)
+    if reserved is not None:
+        keep = reserved_slots(prefix_len, reserved, s)  # [B, S]
+        scores = scores.masked_fill(keep[None, :, None, :], float("inf"))
+    scores = scores.masked_fill(slots >= prefix_len[None, :, None, None], float("-inf"))
+    return torch.topk(scores, min(max(k_cap, 1), s), dim=-1).indices
+
+
+def serves(scores: torch.Tensor) -> bool:
+    """Whether ``topk_slots`` takes scores of this span (the rows fit in registers)."""
+    return triton is not None and scores.shape[-1] <= RESIDENT_SPAN
+
+
+def _launch_shape(span: int) -> tuple[int, int]:
+    block = max(triton.next_power_of_2(span), 16)
+    return block, max(1, min(MAX_WARPS, block // (32 * SCORES_PER_THREAD)))
+
+
+def topk_slots(scores: torch.Tensor, prefix_len: torch.Tensor, budget: torch.Tensor,
+               k_cap: int, sum_heads: bool = False,
+               reserved: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernel version of ``reference_topk_slots``: indices [L, B, G, min(k_cap, S)],
+    int64, each row's ``budget[b]`` slots ascending, then zeros. ``budget[b] <=
+    min(prefix_len[b], k_cap)``, ``prefix_len[b] <= S <= RESIDENT_SPAN``. Nothing is read back to the host: a CUDA graph can capture it."""
+    l, b, h, s = scores.shape
+    if scores.dtype != torch.float32 or scores.stride(-1) != 1:
+        scores = scores.float().contiguous()
+    groups, heads = (1, h) if sum_heads else (h, 1)
+    k_cap = min(max(k_cap, 1), s)
+    prefix_len, budget = prefix_len.contiguous(), budget.contiguous()
+    reserved = prefix_len if reserved is None else reserved.contiguous()
+    out = torch.empty(l, b, groups, k_cap, dtype=torch.long, device=scores.device)
+    block, warps = _launch_shape(s)
+    _topk_slots_kernel[(l * b * groups,)](
+        scores, prefix_len, budget, reserved, out,
+        scores.stride(0), scores.stride(1), scores.stride(2), b, groups, heads, k_cap,
+        HAS_RESERVED=reserved is not prefix_len, SINKS=WINDOW_SINKS, BLOCK=block,
+        num_warps=warps)
+    return out
+
+
+if triton is not None:
+    @triton.jit
+    def _topk_slots_kernel(SCORES, PREFIX, BUDGET, RESERVED, OUT,
+                           s_l, s_b, s_h, batch, groups, heads, k_cap,
+                           HAS_RESERVED: tl.constexpr, SINKS: tl.constexpr,
+                           BLOCK: tl.constexpr):
+        row = tl.program_id(0)  # (layer, sequence, group), group fastest
+        g = row % groups
+        b = (row // groups) % batch
+        layer = row // (groups * batch)
+        prefix = tl.load(PREFIX + b)
+        k = tl.load(BUDGET + b)
+        slots = tl.arange(0, BLOCK)
+        candidate = slots < prefix
+
+        base = SCORES + layer.to(tl.int64) * s_l + b.to(tl.int64) * s_b + (g * heads) * s_h
+        x = tl.zeros([BLOCK], dtype=tl.float32)
+        for h in range(heads):
+            x += tl.load(base + h * s_h + slots, mask=candidate, other=0.0)
+        bits = x.to(tl.int32, bitcast=True)
+        key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # ordered as the floats
+        if HAS_RESERVED:
+            reserved = tl.load(RESERVED + b)
+            sinks = tl.minimum(reserved, SINKS)
+            recent_start = prefix - reserved + sinks
+            window = (slots < sinks) | (slots >= recent_start)
+            key = tl.where(window, 2147483647, key)
+        # Slots past the prefix take the lowest key, which no probe above ``lo`` counts.
+        key = tl.where(candidate, key, -2147483648)
+
+        # Largest t with count(key >= t) >= k, between the row's lowest and highest
+        # candidate keys; stop at a probe with exactly k keys at or above it.
+        lo = tl.min(tl.where(candidate, key, 2147483647), axis=0).to(tl.int64)
+        hi = tl.max(key, axis=0).to(tl.int64)
+        while lo < hi:
+            mid = lo + (hi - lo + 1) // 2
+            above = tl.sum((key >= mid.to(tl.int32)).to(tl.int32), axis=0)
+            lo = tl.where(above >= k, mid, lo)
+            hi = tl.where(above == k, mid, tl.where(above >= k, hi, mid - 1))
+        t = lo.to(tl.int32)
+
+        over = key > t
+        tied = candidate & (key == t)
+        tie_rank = tl.cumsum(tied.to(tl.int32), axis=0) - 1
+        take = over | (tied & (tie_rank < k - tl.sum(over.to(tl.int32), axis=0)))
+        place = tl.cumsum(take.to(tl.int32), axis=0) - 1
+        out_row = OUT + row.to(tl.int64) * k_cap
+        tl.store(out_row + place, slots.to(tl.int64), mask=take)
+        tl.store(out_row + slots, tl.zeros([BLOCK], dtype=tl.int64),
+                 mask=(slots >= k) & (slots < k_cap))
