@@ -102,7 +102,9 @@ def topk_slots(scores: torch.Tensor, prefix_len: torch.Tensor, budget: torch.Ten
 
 
 if triton is not None:
-    @triton.jit
+    # The list capacity follows the longest prefix, so it changes between iterations:
+    # specialised (divisible by 16, or 1), it would compile new variants mid-decode.
+    @triton.jit(do_not_specialize=["k_cap"])
     def _topk_slots_kernel(SCORES, PREFIX, BUDGET, RESERVED, OUT,
                            s_l, s_b, s_h, batch, groups, heads, k_cap,
                            HAS_RESERVED: tl.constexpr, SINKS: tl.constexpr,
