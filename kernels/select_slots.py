@@ -39,7 +39,8 @@ MAX_WARPS = 16
 # Streaming window (MagicDec-Stream and Vegas's reserved share): sink slots at the start.
 WINDOW_SINKS = 16
 
-__all__ = ["RESIDENT_SPAN", "reference_topk_slots", "serves", "topk_slots"]
+__all__ = ["RESIDENT_SPAN", "reference_topk_slots", "reserved_indices", "reserved_slots",
+           "serves", "topk_slots"]
 
 
 def reserved_slots(prefix_len: torch.Tensor, reserved: torch.Tensor, span: int) -> torch.Tensor:
@@ -49,6 +50,16 @@ def reserved_slots(prefix_len: torch.Tensor, reserved: torch.Tensor, span: int) 
     sinks = torch.clamp(reserved, max=WINDOW_SINKS)[:, None]
     recent_start = (prefix_len - reserved)[:, None] + sinks
     return ((slots < sinks) | (slots >= recent_start)) & (slots < prefix_len[:, None])
+
+
+def reserved_indices(prefix_len: torch.Tensor, reserved: torch.Tensor, width: int) -> torch.Tensor:
+    """[B, width] int64: the slots ``reserved_slots`` marks, ascending, then zeros
+    (``width`` >= max(reserved)). Built directly: no scores, no top-k."""
+    j = torch.arange(max(width, 1), device=prefix_len.device)[None]
+    sinks = torch.clamp(reserved, max=WINDOW_SINKS)[:, None]
+    recent_start = (prefix_len - reserved)[:, None] + sinks
+    slots = torch.where(j < sinks, j, recent_start + j - sinks)
+    return torch.where(j < reserved[:, None], slots, torch.zeros_like(slots))
 
 
 def reference_topk_slots(scores: torch.Tensor, prefix_len: torch.Tensor, budget: torch.Tensor,

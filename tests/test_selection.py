@@ -153,12 +153,27 @@ def test_budget_covering_the_prefix_selects_all_of_it():
         assert set(sel.indices[layer, 1, 0, :9].tolist()) == set(range(9))
 
 
-def test_streaming_keeps_sinks_and_the_most_recent_prefix(selection_path):
+def test_streaming_keeps_sinks_and_the_most_recent_prefix():
     sel = select(make_drafter(SpecConfig(drafter="streaming"), L), None, [100, 30], [40, 30],
                  [0, 0])
     first = set(sel.indices[0, 0, 0, : sel.counts[0, 0]].tolist())
     assert first == set(range(STREAMING_SINKS)) | set(range(100 - 24, 100))
     assert set(sel.indices[2, 1, 0, : sel.counts[2, 1]].tolist()) == set(range(30))
+
+
+def test_streaming_index_lists_hold_the_window_mask():
+    """The index lists built directly hold exactly the slots of the window's mask."""
+    from kernels.select_slots import reserved_indices, reserved_slots
+
+    prefix = torch.tensor([100, 30, 17, 5, 1])
+    for reserved in (torch.tensor([40, 30, 16, 5, 1]), torch.tensor([16, 3, 0, 2, 1])):
+        width = int(reserved.max())
+        lists = reserved_indices(prefix, reserved, width)
+        mask = reserved_slots(prefix, reserved, 100)
+        for b in range(len(prefix)):
+            chosen = lists[b, : reserved[b]].tolist()
+            assert chosen == mask[b].nonzero().flatten().tolist()
+            assert all(s == 0 for s in lists[b, reserved[b]:].tolist())
 
 
 @pytest.mark.parametrize("kind", ["vegas", "streaming", "quest", "oracle"])

@@ -68,9 +68,10 @@ def _topk_selection(scores: torch.Tensor, prefix_len: torch.Tensor, budget: torc
                     reserved: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """scores [L, B, H, S] -> (indices [L, B, G, K], counts [L, B]) of the top budget[b]
     prefix slots (slots >= prefix_len[b] never chosen), G = 1 when ``sum_heads`` sums
-    the heads' scores, else H; ``reserved[b]`` window slots (``streaming_slots``) come
-    first. ``k_max`` >= max(budget), known on the host, avoids reading the budget back
-    from the device. One Triton launch where the kernels serve (``kernels.select_slots``)."""
+    the heads' scores, else H; ``reserved[b]`` window slots (``select_slots.
+    reserved_slots``) come first. ``k_max`` >= max(budget), known on the host, avoids
+    reading the budget back from the device. One Triton launch where the kernels serve
+    (``kernels.select_slots``)."""
     l, b = scores.shape[:2]
     k = max(int(budget.max()) if k_max is None else k_max, 1)
     if kernels_enabled(scores) and select_slots.serves(scores):
@@ -79,15 +80,6 @@ def _topk_selection(scores: torch.Tensor, prefix_len: torch.Tensor, budget: torc
         indices = select_slots.reference_topk_slots(scores, prefix_len, budget, k, sum_heads,
                                                     reserved)
     return indices, budget[None].expand(l, b).clone()
-
-
-def streaming_slots(prefix_len: torch.Tensor, reserved: torch.Tensor,
-                    span: int | None = None) -> torch.Tensor:
-    """Boolean [B, span]: up to 16 sink slots, then the most recent prefix slots, so
-    that ``reserved[b]`` slots are marked (all of the prefix if it is shorter).
-    ``span`` >= max(prefix_len) (default: read from the device)."""
-    s = max(int(prefix_len.max()) if span is None else span, 1)
-    return select_slots.reserved_slots(prefix_len, reserved, s)
 
 
 def collected_rows(collect: str, window_rows: int, last_row: torch.Tensor) -> torch.Tensor:
@@ -196,14 +188,12 @@ class StreamingDrafter(Drafter):
     rebuilt at every iteration."""
 
     def select(self, inputs: SelectionInputs) -> SparseSelection:
-        span = max(inputs.longest_prefix(), 1)
-        keep = streaming_slots(inputs.prefix_len, inputs.budget, span).float()  # [B, S]
-        # Every layer keeps the same slots: select once, share the indices.
+        # The slots follow from the budget alone: built directly, once for every layer.
         k_max = inputs.largest_budget(self.spec.sparsity, self.spec.min_tokens)
-        indices, counts = _topk_selection(keep[None, :, None, :], inputs.prefix_len,
-                                          inputs.budget, k_max)
-        l = self.num_layers
-        return SparseSelection(indices.expand(l, -1, -1, -1), counts.expand(l, -1),
+        indices = select_slots.reserved_indices(inputs.prefix_len, inputs.budget, k_max)
+        l, b = self.num_layers, indices.shape[0]
+        return SparseSelection(indices[None, :, None, :].expand(l, -1, -1, -1),
+                               inputs.budget[None].expand(l, b).clone(),
                                inputs.prefix_len.clone())
 
 
@@ -371,7 +361,10 @@ class OracleSelection:
         s = logits.sum(2)  # [B, H_kv, S]
         if self.granularity == "layer":
             s = s.sum(1, keepdim=True)
-        indices, counts = _topk_selection(s[None], self.prefix_len, self.budget)
+        # Not a method, timed at no point: PyTorch's top-k (lengths change every step).
+        indices = select_slots.reference_topk_slots(s[None], self.prefix_len, self.budget,
+                                                    int(self.budget.max()))
+        counts = self.budget[None].clone()
         return SparseSelection(indices, counts, self.tail_start).prefix_mask(0, kv_len)
 
 
