@@ -64,7 +64,8 @@ def main() -> None:
         f"# Selection: top-k prefix slots of every layer ({args.shape}: {layers} layers, "
         f"{kv_heads} KV heads; sparsity {args.sparsity}, min {args.min_tokens} tokens)",
         "",
-        f"- GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}; triton {triton.__version__}",
+        f"- GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}; "
+        f"triton {triton.__version__}",
         f"- Command: `python {' '.join(shlex.quote(a) for a in sys.argv)}`",
         f"- Copy bandwidth measured in this run: {bandwidth / 1e12:.2f} TB/s (read + write).",
         f"- Floor = float32 score bytes read once / that bandwidth. Microseconds: median of "

@@ -94,7 +94,8 @@ def topk_slots(scores: torch.Tensor, prefix_len: torch.Tensor, budget: torch.Ten
                reserved: torch.Tensor | None = None) -> torch.Tensor:
     """The kernel version of ``reference_topk_slots``: indices [L, B, G, min(k_cap, S)],
     int64, each row's ``budget[b]`` slots ascending, then zeros. ``budget[b] <=
-    min(prefix_len[b], k_cap)``, ``prefix_len[b] <= S <= RESIDENT_SPAN``. Nothing is read back to the host: a CUDA graph can capture it."""
+    min(prefix_len[b], k_cap)``, ``prefix_len[b] <= S <= RESIDENT_SPAN``. Nothing is
+    read back to the host: a CUDA graph can capture it."""
     l, b, h, s = scores.shape
     if scores.dtype != torch.float32 or scores.stride(-1) != 1:
         scores = scores.float().contiguous()
