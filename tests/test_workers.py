@@ -75,6 +75,26 @@ def workers_of(found: dict[str, list]) -> set[str]:
             if "worker" in t.user_attrs and "backed_off" not in t.user_attrs}
 
 
+def test_resuming_a_study_another_worker_is_creating_is_allowed(tmp_path):
+    """Two workers started together: one has created the study and not yet recorded its
+    fingerprint. The other resumes it; a study with finished trials and no fingerprint
+    (made by an older vegas-tune) is still refused."""
+    import optuna
+
+    from vegas_core.errors import VegasError
+    from vegas_tune.tuner import check_study, open_storage
+
+    storage = open_storage(str(tmp_path / "s.journal"))
+    study = optuna.create_study(storage=storage, study_name="shared:sparsity")
+    fingerprint = {"ctx": 64}
+    check_study(storage, "s.journal", "shared", resume=True, new_study=False,
+                fingerprint=fingerprint)
+    study.add_trial(optuna.trial.create_trial(params={}, distributions={}, value=1.0))
+    with pytest.raises(VegasError, match="older vegas-tune"):
+        check_study(storage, "s.journal", "shared", resume=True, new_study=False,
+                    fingerprint=fingerprint)
+
+
 def test_two_workers_on_a_journal_split_the_work_and_write_the_same_profile(tmp_path):
     storage = str(tmp_path / "shared.journal")
     procs = [subprocess.Popen(tune_argv(storage, tmp_path / f"w{i}.yaml", "--resume"),

@@ -1148,6 +1148,10 @@ def check_study(storage, storage_url: str, study_name: str, *, resume: bool, new
             f"continue it, --new-study to discard it, or --study-name to start another")
     recorded = next((s.user_attrs["fingerprint"] for s in studies
                      if "fingerprint" in s.user_attrs), None)
+    if recorded is None and abandoned:
+        # A worker started at the same moment has created the study but not yet recorded
+        # its fingerprint (``_study`` does so right after): nothing finished to protect.
+        return
     wanted = json.loads(json.dumps(fingerprint))  # as the storage returns it: lists, not tuples
     other_hardware = recorded is not None and recorded.get("hardware") != wanted.get("hardware")
     if other_hardware and "hardware" in wanted:
