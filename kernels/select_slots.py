@@ -43,12 +43,18 @@ __all__ = ["RESIDENT_SPAN", "reference_topk_slots", "reserved_indices", "reserve
            "serves", "topk_slots"]
 
 
+def _window(prefix_len: torch.Tensor, reserved: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (sinks, recent_start), [B, 1] each: the window is [0, sinks) and
+    [recent_start, prefix_len), ``reserved`` slots in all."""
+    sinks = torch.clamp(reserved, max=WINDOW_SINKS)[:, None]
+    return sinks, (prefix_len - reserved)[:, None] + sinks
+
+
 def reserved_slots(prefix_len: torch.Tensor, reserved: torch.Tensor, span: int) -> torch.Tensor:
     """Boolean [B, span]: up to WINDOW_SINKS sink slots, then the most recent prefix
     slots, ``reserved[b]`` in all (all of the prefix if it is shorter)."""
     slots = torch.arange(max(span, 1), device=prefix_len.device)[None]
-    sinks = torch.clamp(reserved, max=WINDOW_SINKS)[:, None]
-    recent_start = (prefix_len - reserved)[:, None] + sinks
+    sinks, recent_start = _window(prefix_len, reserved)
     return ((slots < sinks) | (slots >= recent_start)) & (slots < prefix_len[:, None])
 
 
@@ -56,8 +62,7 @@ def reserved_indices(prefix_len: torch.Tensor, reserved: torch.Tensor, width: in
     """[B, width] int64: the slots ``reserved_slots`` marks, ascending, then zeros
     (``width`` >= max(reserved)). Built directly: no scores, no top-k."""
     j = torch.arange(max(width, 1), device=prefix_len.device)[None]
-    sinks = torch.clamp(reserved, max=WINDOW_SINKS)[:, None]
-    recent_start = (prefix_len - reserved)[:, None] + sinks
+    sinks, recent_start = _window(prefix_len, reserved)
     slots = torch.where(j < sinks, j, recent_start + j - sinks)
     return torch.where(j < reserved[:, None], slots, torch.zeros_like(slots))
 
@@ -102,14 +107,14 @@ def topk_slots(scores: torch.Tensor, prefix_len: torch.Tensor, budget: torch.Ten
     groups, heads = (1, h) if sum_heads else (h, 1)
     k_cap = min(max(k_cap, 1), s)
     prefix_len, budget = prefix_len.contiguous(), budget.contiguous()
-    reserved = prefix_len if reserved is None else reserved.contiguous()
+    has_reserved = reserved is not None
+    reserved = reserved.contiguous() if has_reserved else prefix_len  # unused placeholder
     out = torch.empty(l, b, groups, k_cap, dtype=torch.long, device=scores.device)
     block, warps = _launch_shape(s)
     _topk_slots_kernel[(l * b * groups,)](
         scores, prefix_len, budget, reserved, out,
         scores.stride(0), scores.stride(1), scores.stride(2), b, groups, heads, k_cap,
-        HAS_RESERVED=reserved is not prefix_len, SINKS=WINDOW_SINKS, BLOCK=block,
-        num_warps=warps)
+        HAS_RESERVED=has_reserved, SINKS=WINDOW_SINKS, BLOCK=block, num_warps=warps)
     return out
 
 
