@@ -11,7 +11,8 @@ As in ``kernels.verify_attention``, lengths live on the device only: the grid co
 from the static bound ``max_keys`` and a split count, and each program cuts its own
 slice of ``total = counts[b] + max(positions[b] - tail_start[b] + 1, 0)`` keys, so one
 launch (a captured CUDA graph) serves any key count up to the bound. The splits are
-merged by log-sum-exp in the shared merge kernel, straight into out [B, 1, H, D].
+merged by log-sum-exp in the shared merge kernel, straight into out [B, 1, H, D]; a
+single split writes out itself.
 
 ``reference_sparse_attention`` is the PyTorch ground truth.
 """
@@ -30,7 +31,7 @@ try:
     import triton.language as tl
 
     from kernels.verify_attention import (_scaled_scores, _softmax_step, _split_range,
-                                          _store_partials)
+                                          _store_partials, _store_rows)
 except ImportError:
     triton = None
 
@@ -62,12 +63,13 @@ if triton is not None:
 
     @triton.jit
     def _sparse_split_kernel(
-        Q, K, V, POS, IDX, CNT, TAIL, ACC, MAX, SUM, LIVE,
+        Q, K, V, POS, IDX, CNT, TAIL, ACC, MAX, SUM, LIVE, SINKS, OUT,
         sq_b, sq_h, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sp_b, si_b, si_g, sc_b, st_b,
-        sa_bh, sa_sp, sa_m, sm_bh, sm_sp,
+        sa_bh, sa_sp, sa_m, sm_bh, sm_sp, so_b, so_h,
         splits, sm_scale,
         H_KV: tl.constexpr, G: tl.constexpr, PER_HEAD: tl.constexpr, D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+        SINGLE: tl.constexpr, HAS_SINKS: tl.constexpr,
     ):
         bh = tl.program_id(0)
         split = tl.program_id(1)
@@ -104,9 +106,13 @@ if triton is not None:
             vt = tl.load(v_head + slot[:, None] * sv_s + dims[None, :], mask=in_range[:, None],
                          other=0.0)
             m_i, l_i, acc = _softmax_step(s, vt, m_i, l_i, acc, IEEE)
-        _store_partials(ACC, MAX, SUM, LIVE, bh, split, bh * sa_bh + split * sa_sp,
-                        bh * sm_bh + split * sm_sp, sa_m, acc, m_i, l_i, live, start, end,
-                        G, BLOCK_M, D)
+        if SINGLE:  # the only split: finish the rows here, no merge launch
+            _store_rows(OUT, OUT, SINKS, b, kvh * G + rows, rows * 0, row_ok, dims, acc, m_i,
+                        l_i, so_b, 0, so_h, 0, 0, 0, row_ok, False, HAS_SINKS)
+        else:
+            _store_partials(ACC, MAX, SUM, LIVE, bh, split, bh * sa_bh + split * sa_sp,
+                            bh * sm_bh + split * sm_sp, sa_m, acc, m_i, l_i, live, start, end,
+                            G, BLOCK_M, D)
 
 
 def sparse_attention(q, k, v, positions, indices, counts, tail_start, max_keys: int, *,
@@ -129,17 +135,21 @@ def sparse_attention(q, k, v, positions, indices, counts, tail_start, max_keys: 
     acc, maxes, sums, live = partials
     if indices.stride(-1) != 1:
         indices = indices.contiguous()
+    out = torch.empty(b, 1, h, d, device=dev, dtype=q.dtype)
+    sinks_arg = sinks.float().contiguous() if sinks is not None else maxes  # placeholder
     _sparse_split_kernel[(b * h_kv, splits)](
-        q, k, v, positions, indices, counts, tail_start, acc, maxes, sums, live,
+        q, k, v, positions, indices, counts, tail_start, acc, maxes, sums, live, sinks_arg,
+        out,
         q.stride(0), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), positions.stride(0),
         indices.stride(0), indices.stride(1), counts.stride(0), tail_start.stride(0),
         acc.stride(0), acc.stride(1), acc.stride(2), maxes.stride(0), maxes.stride(1),
-        splits, 1.0 / math.sqrt(d),
+        out.stride(0), out.stride(2), splits, 1.0 / math.sqrt(d),
         H_KV=h_kv, G=g, PER_HEAD=indices.shape[1] > 1, D=d, BLOCK_M=block_rows(g),
         BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32,
+        SINGLE=splits == 1, HAS_SINKS=sinks is not None,
         num_warps=SPLIT_WARPS, num_stages=split_stages(d),
     )
-    out = torch.empty(b, 1, h, d, device=dev, dtype=q.dtype)
-    merge_partials(partials, out, None, h_kv, g, 1, sinks)
+    if splits > 1:
+        merge_partials(partials, out, None, h_kv, g, 1, sinks)
     return out

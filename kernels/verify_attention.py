@@ -17,14 +17,15 @@ Tiles wholly below every row's position (all but the window's own tiles and the 
 end) need no mask at all, so they run on a mask-free path. Partial results of the
 splits ([B * H_kv, splits, G * T, D] plus row maxima and sums, float32; empty splits
 store nothing) are merged by log-sum-exp in a second small kernel, which writes ``out``
-[B, T, H, D] (q's dtype) and ``lse`` [B, T, H] (float32) in their final layout. A row
-that sees no slot gets out 0 and lse -inf.
+[B, T, H, D] (q's dtype) and ``lse`` [B, T, H] (float32) in their final layout. With one
+split (large batches fill the GPU without splitting) the split kernel finishes its rows
+itself: one launch, no partials. A row that sees no slot gets out 0 and lse -inf.
 
 A sliding ``window`` (hybrid models' local layers) limits row r to the slots
 ``positions[b, r] - window < s <= positions[b, r]``: the splits then cut only the slots
 some row of the window sees, so a local layer reads its window, not the whole cache.
 Attention ``sinks`` ([H], gpt-oss) are a logit per query head that joins every row's
-softmax as one more slot with no value; the merge adds it once, after the splits.
+softmax as one more slot with no value; it is added once, after the splits.
 
 With ``row_weights`` ([B, T]) the kernel also emits the selection scores of the Vegas
 ``logit`` mode for free: for each slot, the sum over the group's heads and the window
@@ -190,6 +191,31 @@ if triton is not None:
             tl.store(LIVE + bh, live.to(tl.int32))
 
     @triton.jit
+    def _store_rows(OUT, LSE, SINKS, b, head, trow, row_ok, dims, acc, top, total,
+                    so_b, so_t, so_h, sl_b, sl_t, sl_h, lse_rows,
+                    STORE_LSE: tl.constexpr, HAS_SINKS: tl.constexpr):
+        """Finish rows of an online softmax (running max ``top``, sum ``total``,
+        unnormalised ``acc`` [ROWS, DIMS]): add the sink, normalise, store out, and with
+        STORE_LSE the lse of the rows ``lse_rows``. A row that saw nothing gets out 0
+        (not NaN) and lse -inf."""
+        top_safe = tl.where(top == float("-inf"), 0.0, top)
+        if HAS_SINKS:
+            # The sink: one more slot of the softmax, logit sinks[head], value 0.
+            sink = tl.load(SINKS + head, mask=row_ok, other=0.0)
+            with_sink = tl.maximum(top, sink)
+            rescale = tl.exp(top - with_sink)  # 0 for a row that saw no slot
+            total = total * rescale + tl.exp(sink - with_sink)
+            acc = acc * rescale[:, None]
+            top_safe = with_sink
+        seen = total > 0.0
+        out = acc / tl.where(seen, total, 1.0)[:, None]
+        tl.store(OUT + b * so_b + trow[:, None] * so_t + head[:, None] * so_h + dims[None, :],
+                 out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+        if STORE_LSE:
+            lse = tl.where(seen, top_safe + tl.log(tl.where(seen, total, 1.0)), float("-inf"))
+            tl.store(LSE + b * sl_b + trow * sl_t + head * sl_h, lse, mask=lse_rows)
+
+    @triton.jit
     def _merge_kernel(
         ACC, MAX, SUM, LIVE, SINKS, OUT, LSE,
         sa_bh, sa_sp, sa_m, sm_bh, sm_sp, so_b, so_t, so_h, sl_b, sl_t, sl_h,
@@ -234,25 +260,11 @@ if triton is not None:
         scale = tl.exp(m_lane - top_safe[None, :])
         total = tl.sum(l_lane * scale, axis=0)
         acc = tl.sum(acc_lane * scale[:, :, None], axis=0)  # [ROWS, DIMS]
-        head = kvh * G + rows // T
-        trow = rows % T
-        if HAS_SINKS:
-            # The sink: one more slot of the softmax, logit sinks[head], value 0.
-            sink = tl.load(SINKS + head, mask=row_ok, other=0.0)
-            with_sink = tl.maximum(top, sink)
-            rescale = tl.exp(top - with_sink)  # 0 for a row that saw no slot
-            total = total * rescale + tl.exp(sink - with_sink)
-            acc = acc * rescale[:, None]
-            top_safe = with_sink
-        seen = total > 0.0
-        out = acc / tl.where(seen, total, 1.0)[:, None]  # a row that sees nothing: 0, not NaN
-        tl.store(OUT + b * so_b + trow[:, None] * so_t + head[:, None] * so_h + dims[None, :],
-                 out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
-        if STORE_LSE:
-            if tl.program_id(2) == 0:
-                lse = tl.where(seen, top_safe + tl.log(tl.where(seen, total, 1.0)),
-                               float("-inf"))
-                tl.store(LSE + b * sl_b + trow * sl_t + head * sl_h, lse, mask=row_ok)
+        # The lse once per row (by the programs of the first dims block); one comparison,
+        # not row_ok & scalar, which the interpreter mistypes.
+        _store_rows(OUT, LSE, SINKS, b, kvh * G + rows // T, rows % T, row_ok, dims, acc, top,
+                    total, so_b, so_t, so_h, sl_b, sl_t, sl_h,
+                    rows < tl.where(tl.program_id(2) == 0, G * T, 0), STORE_LSE, HAS_SINKS)
 
     @triton.jit
     def _store_edges(edges_head, side_rows, keep, slots, s, se_r):
@@ -316,13 +328,15 @@ if triton is not None:
 
     @triton.jit
     def _verify_split_kernel(
-        Q, K, V, POS, ROWW, ACC, MAX, SUM, LIVE, SCORES, EDGES,
+        Q, K, V, POS, ROWW, ACC, MAX, SUM, LIVE, SCORES, EDGES, SINKS, OUT, LSE,
         sq_b, sq_t, sq_h, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sp_b, sp_t, sw_b, sw_t,
         sa_bh, sa_sp, sa_m, sm_bh, sm_sp, ss_b, ss_h, se_b, se_h, se_r,
+        so_b, so_t, so_h, sl_b, sl_t, sl_h,
         kv_len, window, splits, sm_scale,
         H_KV: tl.constexpr, G: tl.constexpr, T: tl.constexpr, D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, COLLECT: tl.constexpr,
         SIDE_M: tl.constexpr, KEEP_EDGES: tl.constexpr, IEEE: tl.constexpr,
+        SINGLE: tl.constexpr, HAS_SINKS: tl.constexpr,
     ):
         bh = tl.program_id(0)
         split = tl.program_id(1)
@@ -395,9 +409,13 @@ if triton is not None:
                                          n0, end, pos, side_pos, window, weight, row_ok,
                                          side_ok, m_i, l_i, acc, sk_s, sv_s, se_r, sm_scale,
                                          BLOCK_N, D, SIDE_M, COLLECT, KEEP_EDGES, IEEE, False)
-        _store_partials(ACC, MAX, SUM, LIVE, bh, split, bh * sa_bh + split * sa_sp,
-                        bh * sm_bh + split * sm_sp, sa_m, acc, m_i, l_i, live, start, end,
-                        G * T, BLOCK_M, D)
+        if SINGLE:  # the only split: finish the rows here, no merge launch
+            _store_rows(OUT, LSE, SINKS, b, head, trow, row_ok, dims, acc, m_i, l_i,
+                        so_b, so_t, so_h, sl_b, sl_t, sl_h, row_ok, True, HAS_SINKS)
+        else:
+            _store_partials(ACC, MAX, SUM, LIVE, bh, split, bh * sa_bh + split * sa_sp,
+                            bh * sm_bh + split * sm_sp, sa_m, acc, m_i, l_i, live, start, end,
+                            G * T, BLOCK_M, D)
 
 
 def edge_rows(t: int) -> int:
@@ -497,20 +515,24 @@ def verify_attention(q, k, v, positions, kv_len: int, row_weights=None, *, score
     weights = row_weights.float() if collect else positions  # placeholder pointer
     edges = (torch.empty(b, h_kv, edge_rows(t) * g, kv_len, device=dev, dtype=torch.float16)
              if edge_logits else maxes)  # placeholder pointer
+    out = torch.empty(b, t, h, d, device=dev, dtype=q.dtype)
+    lse = torch.empty(b, t, h, device=dev, dtype=torch.float32)
+    sinks_arg = sinks.float().contiguous() if sinks is not None else maxes  # placeholder
     _verify_split_kernel[(b * h_kv, splits)](
-        q, k, v, positions, weights, acc, maxes, sums, live, scores, edges,
+        q, k, v, positions, weights, acc, maxes, sums, live, scores, edges, sinks_arg, out, lse,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), positions.stride(0), positions.stride(1),
         weights.stride(0), weights.stride(1),
         acc.stride(0), acc.stride(1), acc.stride(2), maxes.stride(0), maxes.stride(1),
         scores.stride(0), scores.stride(1), edges.stride(0), edges.stride(1), edges.stride(2),
+        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), lse.stride(2),
         kv_len, NO_WINDOW if window is None else window, splits, 1.0 / math.sqrt(d),
         H_KV=h_kv, G=g, T=t, D=d, BLOCK_M=block_rows(g * t), BLOCK_N=block_n,
         COLLECT=collect, SIDE_M=block_rows(edge_rows(t) * g if edge_logits else 1),
         KEEP_EDGES=edge_logits, IEEE=q.dtype == torch.float32,
+        SINGLE=splits == 1, HAS_SINKS=sinks is not None,
         num_warps=SPLIT_WARPS, num_stages=split_stages(d),
     )
-    out = torch.empty(b, t, h, d, device=dev, dtype=q.dtype)
-    lse = torch.empty(b, t, h, device=dev, dtype=torch.float32)
-    merge_partials(partials, out, lse, h_kv, g, t, sinks)
+    if splits > 1:
+        merge_partials(partials, out, lse, h_kv, g, t, sinks)
     return out, lse, (scores if collect else edges if edge_logits else None)

@@ -97,6 +97,7 @@ def assert_prefix_close(got, ref, ends, tol):
     (1, 1, 4, 4, 32, 100, 8),  # a decode step, no GQA: more splits than tiles (empty ones)
     (3, 3, 6, 3, 64, 700, 5),  # many tiles per split
     (2, 7, 9, 3, 64, 129, 2),  # SmolLM2's heads: 21 packed rows
+    (2, 7, 9, 3, 64, 300, 1),  # one split: the split kernel writes out and lse, no merge
 ])
 def test_verify_attention_matches_reference(dtype, batch, rows, heads, kv_heads, dim, kv_len,
                                             splits):
@@ -159,6 +160,7 @@ def test_verify_attention_scattered_rows():
     (4, 37, True, 2),  # a window smaller than a tile, every tile masked
     (3, 1000, False, 3),  # a window longer than the cache: plain causal attention
     (5, None, True, None),  # sinks without a window (gpt-oss's full layers)
+    (9, 100, True, 1),  # one split: the split kernel adds the sinks itself
 ])
 def test_verify_attention_with_a_sliding_window_and_sinks(dtype, rows, window, sinks, splits):
     batch, heads, kv_heads, dim, kv_len = 2, 8, 2, 32, 300
@@ -249,6 +251,7 @@ def test_merge_partials_is_logsumexp_of_live_splits(monkeypatch, max_lanes, tile
     ([70, 33], [5, 9], 3),  # ragged budgets and tails
     ([0, 1], [0, 3], 16),  # edges: no selected slot (tail only), one; mostly empty splits
     ("all", [2, 2], None),  # the whole prefix selected: dense, the default split count
+    ([70, 33], [5, 9], 1),  # one split: no merge launch
 ])
 def test_sparse_attention_matches_reference(dtype, per_head, budget, tails, splits):
     batch, heads, kv_heads, dim, slots = 2, 8, 2, 64, 160
@@ -321,6 +324,7 @@ def test_collect_scores_matches_reference(dtype, mode, rows_kind):
     (7, 9, 3, 64, 3, False),  # SmolLM2's heads, a gamma-6 window
     (1, 4, 2, 32, 2, False),  # one row: it is both edges
     (4, 8, 2, 16, 5, True),  # attention sinks join each row's lse
+    (7, 9, 3, 64, 1, True),  # one split: its own lse, sinks included
 ])
 def test_edge_weight_scores_match_the_reference(dtype, rows, heads, kv_heads, dim, splits,
                                                 sinks):
@@ -448,20 +452,27 @@ def assert_same_top_slots(got, scores, prefix, budget, k_cap, sum_heads, reserve
                 assert picked == best
 
 
-@pytest.mark.parametrize("span, ties", [(40, False), (300, False), (1000, True), (4096, False)])
+@pytest.mark.parametrize("span, scores_like", [(40, "logits"), (300, "weights"), (1000, "ties"),
+                                                (2500, "sink"), (4096, "logits")])
 @pytest.mark.parametrize("sum_heads", [False, True])
 @pytest.mark.parametrize("window", [False, True])
-def test_topk_slots_takes_the_reference_top_k(span, ties, sum_heads, window):
-    """Ragged prefixes and budgets (zero, the whole prefix, between), with ties (scores
-    rounded to integers) or without; heads summed or ranked one by one; a reserved window
-    of sinks and recent slots or none. Scores are a slice of a longer buffer, as the
-    engine's score home is."""
+def test_topk_slots_takes_the_reference_top_k(span, scores_like, sum_heads, window):
+    """Ragged prefixes and budgets (zero, the whole prefix, between); scores like logits,
+    like softmax weights (positive, spanning many binades), with ties (rounded to
+    integers) or with one huge sink and a heavy tail (the search's hard cases); heads
+    summed or ranked one by one; a reserved window of sinks and recent slots or none.
+    Scores are a slice of a longer buffer, as the engine's score home is."""
     g = torch.Generator().manual_seed(span)
     layers, batch, heads = 2, 4, 3
-    home = torch.randn(layers, batch, heads, span + 24, generator=g).to(DEVICE)
-    scores = home[..., :span]
-    if ties:
-        scores = scores.mul(2).round()
+    home = torch.randn(layers, batch, heads, span + 24, generator=g)
+    if scores_like == "weights":
+        home = torch.softmax(3 * home, dim=-1)
+    elif scores_like == "ties":
+        home = home.mul(2).round()
+    elif scores_like == "sink":
+        home = home / torch.rand(home.shape, generator=g).clamp_min(1e-3)  # heavy tails
+        home[..., 0] = 1e4
+    scores = home.to(DEVICE)[..., :span]
     prefix = torch.tensor([span, span // 2, 7, 1], device=DEVICE)
     budget = torch.stack([prefix[0] // 20, prefix[1], torch.tensor(0, device=DEVICE),
                           prefix[3]])
