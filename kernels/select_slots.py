@@ -11,13 +11,15 @@ zeros up to the list's capacity. This replaces a heads sum, a masked copy and
 ``torch.topk``: each row of scores is read once and never written back.
 
 Exact top-k without sorting: a float's bits, read as an int32 and with the negative
-ones' magnitude bits flipped, order as the floats do. The kernel binary-searches that
-int32 key for the largest threshold t with at least ``budget`` keys >= t, between the
-row's lowest and highest keys, stopping early once exactly ``budget`` keys are >= the
-probe (between two consecutive scores): about 13-20 probes of the row, each a count. Ties at
-t go to the lowest slots; the selected set then equals ``torch.topk``'s up to the order
-of equal scores. The whole row stays in registers, so the search re-reads nothing: rows
-up to RESIDENT_SPAN slots (longer prefixes use the PyTorch path, ``reference_topk_slots``).
+ones' magnitude bits flipped, order as the floats do. The kernel searches that int32 key
+for the largest threshold t with at least ``budget`` keys >= t, between the row's lowest
+key and its highest one outside the window, by false position on the count (Illinois
+variant; bisection after INTERPOLATED_PROBES), stopping early once exactly ``budget``
+keys are >= the probe: 7-11 counts of the row on logit-, weight- and sink-like scores
+where bisection took 12-18 (more with many ties). Ties at t go to the lowest slots; the
+selected set then equals ``torch.topk``'s up to the order of equal scores. The whole row
+stays in registers, so the search re-reads nothing: rows up to RESIDENT_SPAN slots
+(longer prefixes use the PyTorch path, ``reference_topk_slots``).
 
 ``reference_topk_slots`` is the PyTorch ground truth (and that fallback).
 """
@@ -32,9 +34,13 @@ try:
 except ImportError:  # CPU-only installs: the reference path is used
     triton = None
 
-# Longest row the kernel keeps in registers: 32 float32 scores per thread at 16 warps.
-RESIDENT_SPAN = 16384
-SCORES_PER_THREAD = 32
+# Longest row the kernel keeps in registers: 64 scores per thread at 16 warps (at 32768
+# slots still 1.0-1.65x faster than PyTorch's top-k on the H200; longer rows use it).
+# Fewer, fuller warps make each count's block reduction cheaper: at 8192 slots 4 warps
+# ran 1.2x faster than 8 and 1.4x faster than 16 (docs/results/selection-smollm2-h200.md).
+RESIDENT_SPAN = 32768
+SCORES_PER_THREAD = 64
+MIN_WARPS = 4
 MAX_WARPS = 16
 # Past this many probes the search bisects: a bound on its worst case (interpolated
 # probes find the k-th largest score in about 7-11 of them on smooth scores).
@@ -94,7 +100,7 @@ def serves(scores: torch.Tensor) -> bool:
 
 def _launch_shape(span: int) -> tuple[int, int]:
     block = max(triton.next_power_of_2(span), 16)
-    return block, max(1, min(MAX_WARPS, block // (32 * SCORES_PER_THREAD)))
+    return block, max(MIN_WARPS, min(MAX_WARPS, block // (32 * SCORES_PER_THREAD)))
 
 
 def topk_slots(scores: torch.Tensor, prefix_len: torch.Tensor, budget: torch.Tensor,
