@@ -17,9 +17,11 @@ Tiles wholly below every row's position (all but the window's own tiles and the 
 end) need no mask at all, so they run on a mask-free path. Partial results of the
 splits ([B * H_kv, splits, G * T, D] plus row maxima and sums, float32; empty splits
 store nothing) are merged by log-sum-exp in a second small kernel, which writes ``out``
-[B, T, H, D] (q's dtype) and ``lse`` [B, T, H] (float32) in their final layout. With one
-split (large batches fill the GPU without splitting) the split kernel finishes its rows
-itself: one launch, no partials. A row that sees no slot gets out 0 and lse -inf.
+[B, T, H, D] (q's dtype) and ``lse`` [B, T, H] (float32) in their final layout, even
+with one split: finishing the rows inside this kernel made a decode step's attention 9%
+slower at SmolLM2's batch 64 on the H200 (109 against 100 us per layer at 8k; the sparse
+draft kernel, which gained from it, does so). A row that sees no slot gets out 0 and lse
+-inf.
 
 A sliding ``window`` (hybrid models' local layers) limits row r to the slots
 ``positions[b, r] - window < s <= positions[b, r]``: the splits then cut only the slots
@@ -328,15 +330,13 @@ if triton is not None:
 
     @triton.jit
     def _verify_split_kernel(
-        Q, K, V, POS, ROWW, ACC, MAX, SUM, LIVE, SCORES, EDGES, SINKS, OUT, LSE,
+        Q, K, V, POS, ROWW, ACC, MAX, SUM, LIVE, SCORES, EDGES,
         sq_b, sq_t, sq_h, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sp_b, sp_t, sw_b, sw_t,
         sa_bh, sa_sp, sa_m, sm_bh, sm_sp, ss_b, ss_h, se_b, se_h, se_r,
-        so_b, so_t, so_h, sl_b, sl_t, sl_h,
         kv_len, window, splits, sm_scale,
         H_KV: tl.constexpr, G: tl.constexpr, T: tl.constexpr, D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, COLLECT: tl.constexpr,
         SIDE_M: tl.constexpr, KEEP_EDGES: tl.constexpr, IEEE: tl.constexpr,
-        SINGLE: tl.constexpr, HAS_SINKS: tl.constexpr,
     ):
         bh = tl.program_id(0)
         split = tl.program_id(1)
@@ -409,13 +409,9 @@ if triton is not None:
                                          n0, end, pos, side_pos, window, weight, row_ok,
                                          side_ok, m_i, l_i, acc, sk_s, sv_s, se_r, sm_scale,
                                          BLOCK_N, D, SIDE_M, COLLECT, KEEP_EDGES, IEEE, False)
-        if SINGLE:  # the only split: finish the rows here, no merge launch
-            _store_rows(OUT, LSE, SINKS, b, head, trow, row_ok, dims, acc, m_i, l_i,
-                        so_b, so_t, so_h, sl_b, sl_t, sl_h, row_ok, True, HAS_SINKS)
-        else:
-            _store_partials(ACC, MAX, SUM, LIVE, bh, split, bh * sa_bh + split * sa_sp,
-                            bh * sm_bh + split * sm_sp, sa_m, acc, m_i, l_i, live, start, end,
-                            G * T, BLOCK_M, D)
+        _store_partials(ACC, MAX, SUM, LIVE, bh, split, bh * sa_bh + split * sa_sp,
+                        bh * sm_bh + split * sm_sp, sa_m, acc, m_i, l_i, live, start, end,
+                        G * T, BLOCK_M, D)
 
 
 def edge_rows(t: int) -> int:
@@ -515,24 +511,20 @@ def verify_attention(q, k, v, positions, kv_len: int, row_weights=None, *, score
     weights = row_weights.float() if collect else positions  # placeholder pointer
     edges = (torch.empty(b, h_kv, edge_rows(t) * g, kv_len, device=dev, dtype=torch.float16)
              if edge_logits else maxes)  # placeholder pointer
-    out = torch.empty(b, t, h, d, device=dev, dtype=q.dtype)
-    lse = torch.empty(b, t, h, device=dev, dtype=torch.float32)
-    sinks_arg = sinks.float().contiguous() if sinks is not None else maxes  # placeholder
     _verify_split_kernel[(b * h_kv, splits)](
-        q, k, v, positions, weights, acc, maxes, sums, live, scores, edges, sinks_arg, out, lse,
+        q, k, v, positions, weights, acc, maxes, sums, live, scores, edges,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), positions.stride(0), positions.stride(1),
         weights.stride(0), weights.stride(1),
         acc.stride(0), acc.stride(1), acc.stride(2), maxes.stride(0), maxes.stride(1),
         scores.stride(0), scores.stride(1), edges.stride(0), edges.stride(1), edges.stride(2),
-        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), lse.stride(2),
         kv_len, NO_WINDOW if window is None else window, splits, 1.0 / math.sqrt(d),
         H_KV=h_kv, G=g, T=t, D=d, BLOCK_M=block_rows(g * t), BLOCK_N=block_n,
         COLLECT=collect, SIDE_M=block_rows(edge_rows(t) * g if edge_logits else 1),
         KEEP_EDGES=edge_logits, IEEE=q.dtype == torch.float32,
-        SINGLE=splits == 1, HAS_SINKS=sinks is not None,
         num_warps=SPLIT_WARPS, num_stages=split_stages(d),
     )
-    if splits > 1:
-        merge_partials(partials, out, lse, h_kv, g, t, sinks)
+    out = torch.empty(b, t, h, d, device=dev, dtype=q.dtype)
+    lse = torch.empty(b, t, h, device=dev, dtype=torch.float32)
+    merge_partials(partials, out, lse, h_kv, g, t, sinks)
     return out, lse, (scores if collect else edges if edge_logits else None)

@@ -97,7 +97,7 @@ def assert_prefix_close(got, ref, ends, tol):
     (1, 1, 4, 4, 32, 100, 8),  # a decode step, no GQA: more splits than tiles (empty ones)
     (3, 3, 6, 3, 64, 700, 5),  # many tiles per split
     (2, 7, 9, 3, 64, 129, 2),  # SmolLM2's heads: 21 packed rows
-    (2, 7, 9, 3, 64, 300, 1),  # one split: the split kernel writes out and lse, no merge
+    (2, 7, 9, 3, 64, 300, 1),  # one split: the merge only normalises it
 ])
 def test_verify_attention_matches_reference(dtype, batch, rows, heads, kv_heads, dim, kv_len,
                                             splits):
@@ -160,7 +160,7 @@ def test_verify_attention_scattered_rows():
     (4, 37, True, 2),  # a window smaller than a tile, every tile masked
     (3, 1000, False, 3),  # a window longer than the cache: plain causal attention
     (5, None, True, None),  # sinks without a window (gpt-oss's full layers)
-    (9, 100, True, 1),  # one split: the split kernel adds the sinks itself
+    (9, 100, True, 1),  # one split and sinks
 ])
 def test_verify_attention_with_a_sliding_window_and_sinks(dtype, rows, window, sinks, splits):
     batch, heads, kv_heads, dim, kv_len = 2, 8, 2, 32, 300
@@ -324,7 +324,7 @@ def test_collect_scores_matches_reference(dtype, mode, rows_kind):
     (7, 9, 3, 64, 3, False),  # SmolLM2's heads, a gamma-6 window
     (1, 4, 2, 32, 2, False),  # one row: it is both edges
     (4, 8, 2, 16, 5, True),  # attention sinks join each row's lse
-    (7, 9, 3, 64, 1, True),  # one split: its own lse, sinks included
+    (7, 9, 3, 64, 1, True),  # one split, sinks in the lse
 ])
 def test_edge_weight_scores_match_the_reference(dtype, rows, heads, kv_heads, dim, splits,
                                                 sinks):
