@@ -44,6 +44,12 @@ def write_atomic(path: Path, text: str) -> None:
     tmp.replace(path)
 
 
+def with_ext(out: Path, ext: str) -> Path:
+    """OUT + ext: ``--out`` names a path without its suffix, and may contain dots
+    (``end-to-end-budget-0.02``), which ``with_suffix`` would cut."""
+    return out.with_name(out.name + ext)
+
+
 def configurations(drafters: list[str], scores: list[str]) -> list[tuple[str, str, dict]]:
     """(label, drafter, SpecConfig options) for each configuration to run."""
     out = []
@@ -85,7 +91,7 @@ def run(args, out: Path) -> list[dict]:
                         print(f"  {label:12s} s={sparsity:<5} mal={s.mean_accepted_length:.2f}"
                               f" exact={rows[-1]['matches_vanilla']}", file=sys.stderr, flush=True)
                 # Rows so far, so an interrupted run still leaves its measurements.
-                write_atomic(out.with_suffix(".json"), json.dumps(rows, indent=1))
+                write_atomic(with_ext(out, ".json"), json.dumps(rows, indent=1))
     return rows
 
 
@@ -161,8 +167,8 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     t = time.perf_counter()
     rows = json.loads(args.from_json.read_text()) if args.from_json else run(args, out)
-    write_atomic(out.with_suffix(".md"), summarize(rows, args, time.perf_counter() - t))
-    print(out.with_suffix(".md").read_text())
+    write_atomic(with_ext(out, ".md"), summarize(rows, args, time.perf_counter() - t))
+    print(with_ext(out, ".md").read_text())
 
 
 if __name__ == "__main__":

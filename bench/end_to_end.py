@@ -51,7 +51,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.acceptance import hardware, write_atomic  # noqa: E402
+from bench.acceptance import hardware, with_ext, write_atomic  # noqa: E402
 from vegas_core import SpecConfig, VegasError, generate, load_model  # noqa: E402
 from vegas_core.attention import AttentionMeta, attention_backend  # noqa: E402
 from vegas_core.prefill import prefill  # noqa: E402
@@ -412,8 +412,8 @@ def summarize(data: dict) -> str:
 
 def write_outputs(out: Path, data: dict) -> None:
     data["meta"]["seconds"] = time.perf_counter() - T0
-    write_atomic(out.with_suffix(".json"), json.dumps(data, indent=1))
-    write_atomic(out.with_suffix(".md"), summarize(data))
+    write_atomic(with_ext(out, ".json"), json.dumps(data, indent=1))
+    write_atomic(with_ext(out, ".md"), summarize(data))
 
 
 def run(args, out: Path) -> dict:
@@ -495,15 +495,15 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     if args.from_json:
         data = json.loads(args.from_json.read_text())
-        write_atomic(out.with_suffix(".md"), summarize(data))
+        write_atomic(with_ext(out, ".md"), summarize(data))
     else:
         try:
             data = run(args, out)
         except VegasError as exc:
             fail(str(exc))
         write_outputs(out, data)
-    log(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.json')}")
-    print(out.with_suffix(".md").read_text())
+    log(f"wrote {with_ext(out, '.md')} and {with_ext(out, '.json')}")
+    print(with_ext(out, ".md").read_text())
 
 
 if __name__ == "__main__":

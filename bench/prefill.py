@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.acceptance import hardware, write_atomic  # noqa: E402
+from bench.acceptance import hardware, with_ext, write_atomic  # noqa: E402
 from bench.end_to_end import versions  # noqa: E402
 from vegas_core import load_model  # noqa: E402
 from vegas_core.attention import ATTENTION_ENV  # noqa: E402
@@ -233,9 +233,9 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     data = run(args)
-    write_atomic(out.with_suffix(".json"), json.dumps(data, indent=1))
-    write_atomic(out.with_suffix(".md"), summarize(data))
-    print(out.with_suffix(".md").read_text())
+    write_atomic(with_ext(out, ".json"), json.dumps(data, indent=1))
+    write_atomic(with_ext(out, ".md"), summarize(data))
+    print(with_ext(out, ".md").read_text())
 
 
 if __name__ == "__main__":

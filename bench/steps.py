@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.acceptance import write_atomic  # noqa: E402
+from bench.acceptance import with_ext, write_atomic  # noqa: E402
 
 MODELS = ("qwen3-8b", "llama-3.1-8b", "gpt-oss-20b", "qwen3-30b-a3b", "smollm2-135m")
 STEP_REPEATS = 30  # vanilla step replays timed
@@ -372,17 +372,17 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
 
     def save(result: dict) -> None:
-        write_atomic(out.with_suffix(".json"), json.dumps(result, indent=1))
-        write_atomic(out.with_suffix(".md"), render(result, tau, args.tau_source))
+        write_atomic(with_ext(out, ".json"), json.dumps(result, indent=1))
+        write_atomic(with_ext(out, ".md"), render(result, tau, args.tau_source))
 
     if args.from_json:
-        write_atomic(out.with_suffix(".md"),
+        write_atomic(with_ext(out, ".md"),
                      render(json.loads(Path(args.from_json).read_text()), tau, args.tau_source))
     else:
         if not torch.cuda.is_available():
             p.error("this benchmark needs a CUDA GPU (or --from-json to re-render a result)")
         save(run(args, save))
-    print(out.with_suffix(".md").read_text())
+    print(with_ext(out, ".md").read_text())
 
 
 if __name__ == "__main__":

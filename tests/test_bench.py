@@ -1,4 +1,4 @@
-"""The benchmarks' floors, on the CPU: what a decode step must read."""
+"""The benchmarks on the CPU: what a decode step must read, where results are written."""
 
 from __future__ import annotations
 
@@ -35,3 +35,14 @@ def test_a_decode_steps_floor_counts_routed_experts_and_sliding_windows(tiny_hf)
     windows = [8 if config.window.applies(i) else 40 for i in range(config.num_layers)]
     assert windows == [8, 40, 8]
     assert kv_bytes_read(config, 40, 2, dtype_bytes=4) == per_token * 2 * sum(windows)
+
+
+def test_an_output_name_with_dots_keeps_them():
+    """``--out docs/results/e2e-budget-0.02`` writes e2e-budget-0.02.md, not e2e-budget-0.md."""
+    from pathlib import Path
+
+    from bench.acceptance import with_ext
+
+    out = Path("docs/results/end-to-end-budget-0.02")
+    assert with_ext(out, ".md") == Path("docs/results/end-to-end-budget-0.02.md")
+    assert with_ext(out, ".json").name == "end-to-end-budget-0.02.json"
