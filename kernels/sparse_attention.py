@@ -123,7 +123,7 @@ def sparse_attention(q, k, v, positions, indices, counts, tail_start, max_keys: 
     indices [B, 1 or H_kv, K]; counts, tail_start [B] (any integer dtype); max_keys: a
     static bound on every sequence's key count (selected + tail), which only sizes the
     grid; splits: the split count (default ``splits_for``); sinks: [H] or None, logits
-    that join each head's softmax (the merge adds them). Reads nothing back from the
+    that join each head's softmax (added once, after the splits). Reads nothing back from the
     device."""
     b, t, h, d = q.shape
     assert t == 1, "drafts attend with one query row"
@@ -131,12 +131,15 @@ def sparse_attention(q, k, v, positions, indices, counts, tail_start, max_keys: 
     g = h // h_kv
     dev = q.device
     splits = splits or splits_for(dev, b * h_kv, max_keys)
-    partials = split_buffers(b, h_kv, splits, g, d, dev)
-    acc, maxes, sums, live = partials
+    out = torch.empty(b, 1, h, d, device=dev, dtype=q.dtype)
+    # One split finishes its rows itself: no partials to allocate or merge (``out``
+    # stands in for their pointers, which that launch never reads).
+    single = splits == 1
+    partials = None if single else split_buffers(b, h_kv, splits, g, d, dev)
+    acc, maxes, sums, live = (out,) * 4 if single else partials
     if indices.stride(-1) != 1:
         indices = indices.contiguous()
-    out = torch.empty(b, 1, h, d, device=dev, dtype=q.dtype)
-    sinks_arg = sinks.float().contiguous() if sinks is not None else maxes  # placeholder
+    sinks_arg = sinks.float().contiguous() if sinks is not None else out  # placeholder
     _sparse_split_kernel[(b * h_kv, splits)](
         q, k, v, positions, indices, counts, tail_start, acc, maxes, sums, live, sinks_arg,
         out,
@@ -147,9 +150,9 @@ def sparse_attention(q, k, v, positions, indices, counts, tail_start, max_keys: 
         out.stride(0), out.stride(2), splits, 1.0 / math.sqrt(d),
         H_KV=h_kv, G=g, PER_HEAD=indices.shape[1] > 1, D=d, BLOCK_M=block_rows(g),
         BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32,
-        SINGLE=splits == 1, HAS_SINKS=sinks is not None,
+        SINGLE=single, HAS_SINKS=sinks is not None,
         num_warps=SPLIT_WARPS, num_stages=split_stages(d),
     )
-    if splits > 1:
+    if not single:
         merge_partials(partials, out, None, h_kv, g, 1, sinks)
     return out
