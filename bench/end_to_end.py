@@ -2,7 +2,7 @@
 
 For each batch size, on the same long embedded prompts (the tuner's workload for the same
 dataset, ctx and number of prompts): vanilla greedy decoding, then each drafter (default
-vegas and streaming) at the same gamma and budget. Every (batch, method) gets an untimed
+vegas and streaming) at the same budget and at each of the ``--gamma`` values. Every (batch, method) gets an untimed
 warm-up generate (Triton compiles, CUDA graphs are captured and kept with the model's
 workspace) and then a timed run. The prompts are prefilled once per batch size: the
 workspace's cache remembers which prompt each row holds, so later methods reuse it.
@@ -15,6 +15,9 @@ Measured per (batch, method), from one timed ``generate``:
 - completion tok/s: the batch decoded to completion (``tokens_per_second``): the last
   iterations run with the batch partly idle, which a server would not do;
 - speedups over vanilla at the same batch, measured in the same process;
+- vegas against streaming at equal budget (steady tok/s), at the same gamma and against
+  streaming at its best measured gamma, so a gamma that suits vegas is not compared
+  with one that handicaps the peer;
 - speculative runs: mean accepted length, iterations and the draft, verify and
   selection seconds (CUDA events), selection time / decode time;
 - with ``--compare-tuner``: the same configuration measured by the tuner's
@@ -105,15 +108,22 @@ def prefill_progress(label: str):
 # --- throughput ------------------------------------------------------------------------
 
 
-def run_method(model, prompts, method: str, args, batch: int
+def run_label(method: str, gamma: int | None, gammas: list[int]) -> str:
+    """How a run is named in logs and tables: the drafter, and its gamma when several
+    gammas were asked for."""
+    return method if gamma is None or len(gammas) == 1 else f"{method} g{gamma}"
+
+
+def run_method(model, prompts, method: str, gamma: int | None, args, batch: int
                ) -> tuple[dict, list[list[int]]]:
     # --score and --window describe a vegas configuration (a tuned one, to cross-check a
     # profile); the peers keep their own selection at the same gamma and budget.
     options = dict(score=args.score, window=args.window) if method == "vegas" else {}
     spec = None if method == "vanilla" else SpecConfig(
-        drafter=method, gamma=args.gamma, sparsity=args.sparsity, min_tokens=args.min_tokens,
+        drafter=method, gamma=gamma, sparsity=args.sparsity, min_tokens=args.min_tokens,
         **options)
-    label = f"b={batch} {method}"
+    name = run_label(method, gamma, args.gamma)
+    label = f"b={batch} {name}"
     ids = [p.ids for p in prompts]
 
     def gen(n: int, progress=None):
@@ -126,7 +136,7 @@ def run_method(model, prompts, method: str, args, batch: int
     result = gen(args.max_new_tokens)
     s = result.stats
     row = dict(
-        batch=batch, method=method, max_new_tokens=args.max_new_tokens,
+        batch=batch, method=method, gamma=gamma, run=name, max_new_tokens=args.max_new_tokens,
         decode_tokens=s.decode_tokens, decode_seconds=s.decode_seconds,
         tokens_per_second=s.tokens_per_second, prefill_seconds=s.prefill_seconds,
         iterations=s.iterations, steady_iterations=s.steady_iterations,
@@ -269,6 +279,42 @@ def rate(x: float | None) -> str:
     return "-" if x is None else f"{x:,.0f}" if x >= 100 else f"{x:.2f}"
 
 
+def gammas_text(gamma) -> str:
+    """--gamma as recorded: one int (older runs) or a list."""
+    return str(gamma) if isinstance(gamma, int) else ", ".join(map(str, gamma))
+
+
+def vegas_against_streaming(runs: list[dict]) -> list[str]:
+    """Steady tok/s of each vegas run over streaming's at the same batch (equal budget):
+    at vegas's gamma and at streaming's best measured gamma."""
+    streaming: dict[int, list[dict]] = {}
+    for r in runs:
+        if r["method"] == "streaming" and r["steady_tokens_per_second"]:
+            streaming.setdefault(r["batch"], []).append(r)
+    lines = []
+    for r in runs:
+        peers = streaming.get(r["batch"])
+        if r["method"] != "vegas" or not peers or not r["steady_tokens_per_second"]:
+            continue
+        mine = r["steady_tokens_per_second"]
+        same = [p for p in peers if p.get("gamma") == r.get("gamma")]
+        best = max(peers, key=lambda p: p["steady_tokens_per_second"])
+        cells = [f"{r['batch']}", r.get("run", "vegas")]
+        cells.append(f"{mine / same[0]['steady_tokens_per_second']:.3f}x" if same else "-")
+        cells.append(f"{mine / best['steady_tokens_per_second']:.3f}x "
+                     f"({best.get('run', 'streaming')})")
+        cells.append(fmt(r.get("mean_accepted_length")) + " / "
+                     + (fmt(same[0].get("mean_accepted_length")) if same else "-"))
+        cells.append(fmt(r.get("selection_overhead"), ".1%"))
+        lines.append("| " + " | ".join(cells) + " |")
+    if not lines:
+        return []
+    return ["", "## Vegas against streaming at equal budget (steady tok/s)", "",
+            "| batch | run | over streaming, same gamma | over streaming's best gamma | "
+            "accepted vegas / streaming (same gamma) | vegas selection overhead |",
+            "| --- | --- | --- | --- | --- | --- |", *lines]
+
+
 def summarize(data: dict) -> str:
     meta, a = data["meta"], data["meta"]["args"]
     runs, matches, margins = data["runs"], data["matches"], data["margins"]
@@ -280,7 +326,7 @@ def summarize(data: dict) -> str:
         f"- Model: {a['model']} ({a['dtype']}), greedy, ignore_eos; dataset {a['dataset']}, "
         f"ctx {a['ctx']} prompt tokens, {a['max_new_tokens']} new tokens, batch sizes "
         f"{', '.join(map(str, a['batch']))}.",
-        f"- Speculative: gamma = {a['gamma']}, sparsity {a['sparsity']}, min_tokens "
+        f"- Speculative: gamma = {gammas_text(a['gamma'])}, sparsity {a['sparsity']}, min_tokens "
         f"{a['min_tokens']} (budget max(min_tokens, ceil(sparsity x prefix))); drafters "
         f"{', '.join(a['drafters'])}.",
         f"- Hardware: {meta['hardware']}; torch {meta['versions']['torch']}, triton "
@@ -312,7 +358,8 @@ def summarize(data: dict) -> str:
         if base and base["steady_tokens_per_second"] and r["steady_tokens_per_second"]:
             steady_up = r["steady_tokens_per_second"] / base["steady_tokens_per_second"]
         line = (
-            f"| {r['batch']} | {r['method']} | {rate(r['steady_tokens_per_second'])} | "
+            f"| {r['batch']} | {r.get('run', r['method'])} | "
+            f"{rate(r['steady_tokens_per_second'])} | "
             f"{fmt(steady_up)}{'x' if steady_up else ''} | {rate(r['tokens_per_second'])} | "
             f"{fmt(speedup)}x | {r['steady_iterations']} / {r['iterations']} | "
             f"{fmt(r.get('mean_accepted_length'))} | "
@@ -324,6 +371,7 @@ def summarize(data: dict) -> str:
             line += (f" {rate(t)} | "
                      f"{fmt(t / steady if t and steady else None, '.3f')} |")
         lines.append(line)
+    lines += vegas_against_streaming(runs)
     cold = [r["warmup_prefill_seconds"] for r in runs if r["method"] == "vanilla"]
     if cold:
         lines += ["", "Prefill of the prompts (the vanilla warm-up, fused prefill attention): "
@@ -420,7 +468,7 @@ def run(args, out: Path) -> dict:
     log(f"loading {args.model} on {args.device} ({args.dtype})")
     model = load_model(args.model, device=args.device, dtype=args.dtype)
     limit = model.config.max_position_embeddings
-    need = args.ctx + args.max_new_tokens + 2 * (args.gamma + 1)
+    need = args.ctx + args.max_new_tokens + 2 * (max(args.gamma) + 1)
     if need > limit:
         fail(f"ctx {args.ctx} + max-new-tokens {args.max_new_tokens} + 2*(gamma+1) = {need} "
              f"exceeds {args.model}'s {limit} positions; lower --ctx or --max-new-tokens")
@@ -433,7 +481,7 @@ def run(args, out: Path) -> dict:
                   date=str(datetime.date.today()), complete=False,
                   command="python " + " ".join(shlex.quote(x) for x in sys.argv)),
         runs=[], matches=[], margins=[], tokens=[])
-    methods = ["vanilla", *args.drafters]
+    runs = [("vanilla", None)] + [(d, g) for g in args.gamma for d in args.drafters]
     for batch in args.batch:
         # --num-prompts: as the tuner's Measurer does, fewer prompts than the batch fill it
         # by wrapping around.
@@ -443,10 +491,11 @@ def run(args, out: Path) -> dict:
         log(f"batch {batch}: {len(prompts)} prompts of {args.ctx} tokens "
             f"({', '.join(p.name for p in prompts[:4])}{', ...' if batch > 4 else ''})")
         tokens: dict[str, list[list[int]]] = {}
-        for method in methods:
-            row, tokens[method] = run_method(model, prompts, method, args, batch)
+        for method, gamma in runs:
+            name = run_label(method, gamma, args.gamma)
+            row, tokens[name] = run_method(model, prompts, method, gamma, args, batch)
             data["runs"].append(row)
-            data["tokens"].append(dict(batch=batch, method=method, tokens=tokens[method]))
+            data["tokens"].append(dict(batch=batch, method=name, tokens=tokens[name]))
             write_outputs(out, data)
         log(f"batch {batch}: greedy match and margins")
         rows, margins = analyse_matches(model, prompts, tokens, batch, args)
@@ -467,7 +516,8 @@ def main() -> None:
     p.add_argument("--batch", nargs="+", type=int, default=[1, 16])
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--drafters", nargs="+", default=["vegas", "streaming"], choices=DRAFTERS)
-    p.add_argument("--gamma", type=int, default=6)
+    p.add_argument("--gamma", nargs="+", type=int, default=[6],
+                   help="draft tokens per iteration; several values run each drafter at each")
     p.add_argument("--sparsity", type=float, default=0.05)
     p.add_argument("--min-tokens", type=int, default=256)
     p.add_argument("--score", default="logit", help="vegas score (logit or weight)")
@@ -489,6 +539,8 @@ def main() -> None:
     args = p.parse_args()
     if min(args.batch) < 1:
         fail("batch sizes must be >= 1")
+    if min(args.gamma) < 1 or len(set(args.gamma)) != len(args.gamma):
+        fail("--gamma values must be distinct and >= 1")
     if args.max_new_tokens < 2 or args.warmup_tokens < 1:
         fail("--max-new-tokens must be >= 2 and --warmup-tokens >= 1")
     out = Path(args.out)

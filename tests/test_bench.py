@@ -46,3 +46,27 @@ def test_an_output_name_with_dots_keeps_them():
     out = Path("docs/results/end-to-end-budget-0.02")
     assert with_ext(out, ".md") == Path("docs/results/end-to-end-budget-0.02.md")
     assert with_ext(out, ".json").name == "end-to-end-budget-0.02.json"
+
+
+def test_vegas_is_compared_with_streaming_at_its_own_gamma_and_at_streamings_best():
+    """With several gammas, a gamma that suits vegas must not hide a better streaming
+    gamma: the report gives both ratios, per batch."""
+    from bench.end_to_end import vegas_against_streaming
+
+    def run(batch, method, gamma, rate, accepted=None):
+        return dict(batch=batch, method=method, gamma=gamma, run=f"{method} g{gamma}",
+                    steady_tokens_per_second=rate, mean_accepted_length=accepted,
+                    selection_overhead=0.02)
+
+    runs = [dict(batch=256, method="vanilla", gamma=None, run="vanilla",
+                 steady_tokens_per_second=20_000.0),
+            run(256, "vegas", 6, 55_000.0, 5.9), run(256, "streaming", 6, 50_000.0, 5.6),
+            run(256, "vegas", 8, 60_000.0, 7.0), run(256, "streaming", 8, 52_000.0, 6.5),
+            run(64, "vegas", 6, 30_000.0, 5.9), run(64, "streaming", 8, 40_000.0, 6.1)]
+    rows = [line for line in vegas_against_streaming(runs) if line.startswith("| 256")]
+    assert rows == ["| 256 | vegas g6 | 1.100x | 1.058x (streaming g8) | 5.90 / 5.60 | 2.0% |",
+                    "| 256 | vegas g8 | 1.154x | 1.154x (streaming g8) | 7.00 / 6.50 | 2.0% |"]
+    # No streaming run at vegas's gamma: only the best-gamma comparison.
+    (row64,) = [line for line in vegas_against_streaming(runs) if line.startswith("| 64")]
+    assert row64 == "| 64 | vegas g6 | - | 0.750x (streaming g8) | 5.90 / - | 2.0% |"
+    assert vegas_against_streaming([r for r in runs if r["method"] != "streaming"]) == []
