@@ -33,7 +33,14 @@ With ``row_weights`` ([B, T]) the kernel also emits the selection scores of the 
 ``logit`` mode for free: for each slot, the sum over the group's heads and the window
 rows of ``weight[row] * q.k / sqrt(d)`` (visible slots only), shape [B, H_kv, kv_len]
 (float32). Slots at or past each sequence's ``total`` are left unwritten: callers mask
-the slots beyond the prefix anyway.
+the slots beyond the prefix anyway. The sum is linear in the queries, so in a tile every
+row sees it is one dot of K with the weighted query sum ``sum_r weight[r] * q[r]`` (kept
+as a bfloat16/float16 pair, high and low part, so its rounding stays near float32's)
+when the packed rows are DOT_SUM_ROWS or more: summing the main tile's columns there
+crosses warps (a shared-memory reduction per tile): at SmolLM2's 33 rows (gamma 10) on
+the H200 a verify with scores cost 1.76-1.92x a plain one that way, 1.12-1.16x with the
+dot (docs/results/verify-scores-h200.md). Tiles with per-row masks sum the rows as
+before.
 
 ``reference_verify_attention`` is the PyTorch ground truth for all three outputs.
 The split/merge machinery here is shared with ``kernels.sparse_attention``.
@@ -61,6 +68,9 @@ NARROW_BLOCK_N = 128
 # arithmetic in 32 bits never overflows.
 NO_WINDOW = 1 << 30
 MIN_BLOCK_M = 16  # tl.dot needs at least 16 rows
+# Tiles this tall (the first that spreads its rows over warps) sum their fused scores by
+# a dot with the weighted query sum rather than by a column sum of the tile.
+DOT_SUM_ROWS = 64
 MIN_HEAD_DIM = 16  # and a reduction of at least 16
 # Split-kernel programs one SM runs at once (by shared memory, at BLOCK_N 64, head dim
 # 128): the split count fills whole waves of them (docs/results/decode-configs-h200.md).
@@ -140,6 +150,7 @@ if triton is not None:
     # float16's largest finite value is 65504: kept edge logits are clamped inside it
     # (a logit that large makes its row's softmax one-hot either way).
     EDGE_LOGIT_LIMIT = tl.constexpr(60000.0)
+    MIN_SUM_M = tl.constexpr(MIN_BLOCK_M)  # rows of q_sum: tl.dot needs 16
 
     @triton.jit
     def _scaled_scores(a, b, sm_scale, IEEE: tl.constexpr):
@@ -277,17 +288,19 @@ if triton is not None:
                  kept.to(tl.float16), mask=keep)
 
     @triton.jit
-    def _verify_tile(q, q_side, k_head, v_head, scores_head, edges_head, n0, end, pos,
+    def _verify_tile(q, q_side, q_sum, k_head, v_head, scores_head, edges_head, n0, end, pos,
                      side_pos, window, weight, row_ok, side_ok, m_i, l_i, acc, sk_s, sv_s,
                      se_r, sm_scale, BLOCK_N: tl.constexpr, D: tl.constexpr,
-                     SIDE_M: tl.constexpr, COLLECT: tl.constexpr, KEEP_EDGES: tl.constexpr,
-                     IEEE: tl.constexpr, VISIBLE: tl.constexpr):
+                     SIDE_M: tl.constexpr, COLLECT: tl.constexpr, DOT_SUM: tl.constexpr,
+                     KEEP_EDGES: tl.constexpr, IEEE: tl.constexpr, VISIBLE: tl.constexpr):
         """One tile of BLOCK_N slots from n0. A VISIBLE tile lies wholly before every
         row's position, inside every row's sliding window and inside the range: no masks
         at all (wide, pipelined loads). Other tiles (the verify window's own slots, a
         sliding window's start, the end of the range) mask slots per row.
 
-        COLLECT sums the main tile's rows (visible ones only, in masked tiles). The edge
+        COLLECT sums the main tile's rows (visible ones only, in masked tiles); with
+        DOT_SUM a VISIBLE tile instead takes the column sum of a small dot of K with
+        ``q_sum`` [MIN_BLOCK_M, D] (the weighted query sum's high and low parts). The edge
         logits (KEEP_EDGES) come from a second, small dot of K with the edge rows'
         queries ``q_side`` [SIDE_M, D]: storing those rows of the main [BLOCK_M, N] tile
         instead cost 62% of a 9-row verify at the Qwen3-8B shape, the side dot 19%
@@ -300,7 +313,10 @@ if triton is not None:
         if VISIBLE:
             k = tl.load(k_ptrs)
             s = _scaled_scores(q, k, sm_scale, IEEE)
-            if COLLECT:
+            if COLLECT and DOT_SUM:
+                tl.store(scores_head + slots,
+                         tl.sum(_scaled_scores(q_sum, k, sm_scale, IEEE), axis=0))
+            elif COLLECT:
                 # The weighted column sum of the dot's own output: K stays a pure dot
                 # operand, so its shared-memory tile keeps the swizzled layout (a second
                 # consumer of K dropped it, and ldmatrix then bank-conflicted 8 ways).
@@ -336,7 +352,8 @@ if triton is not None:
         kv_len, window, splits, sm_scale,
         H_KV: tl.constexpr, G: tl.constexpr, T: tl.constexpr, D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, COLLECT: tl.constexpr,
-        SIDE_M: tl.constexpr, KEEP_EDGES: tl.constexpr, IEEE: tl.constexpr,
+        DOT_SUM: tl.constexpr, SIDE_M: tl.constexpr, KEEP_EDGES: tl.constexpr,
+        IEEE: tl.constexpr,
     ):
         bh = tl.program_id(0)
         split = tl.program_id(1)
@@ -364,8 +381,18 @@ if triton is not None:
         q_side = tl.zeros([SIDE_M, D], q.dtype)
         side_pos = tl.zeros([SIDE_M], tl.int32)
         side_ok = side_rows < 0
+        q_sum = tl.zeros([MIN_SUM_M, D], q.dtype)
         if COLLECT:
             weight = tl.load(ROWW + b * sw_b + trow * sw_t, mask=row_ok, other=0.0)
+        if COLLECT and DOT_SUM:
+            # Row 0: the weighted query sum in q's dtype; row 1: what that rounding lost
+            # (0 in float32), so the dot sees it to about float32 precision.
+            summed = tl.sum(q.to(tl.float32) * weight[:, None], axis=0)  # [D]
+            high = summed.to(q.dtype)
+            low = (summed - high.to(tl.float32)).to(q.dtype)
+            part = tl.arange(0, MIN_SUM_M)[:, None]
+            q_sum = tl.where(part == 0, high[None, :],
+                             tl.where(part == 1, low[None, :], tl.zeros_like(high)[None, :]))
         if KEEP_EDGES:
             # Edge row r: head r // E of the group at window row 0 (r % E == 0) or T - 1,
             # E = 2 (1 when T == 1); row r of the edge logits.
@@ -395,20 +422,26 @@ if triton is not None:
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
         for n0 in range(start, head_end, BLOCK_N):
-            m_i, l_i, acc = _verify_tile(q, q_side, k_head, v_head, scores_head, edges_head,
-                                         n0, end, pos, side_pos, window, weight, row_ok,
-                                         side_ok, m_i, l_i, acc, sk_s, sv_s, se_r, sm_scale,
-                                         BLOCK_N, D, SIDE_M, COLLECT, KEEP_EDGES, IEEE, False)
+            m_i, l_i, acc = _verify_tile(q, q_side, q_sum, k_head, v_head, scores_head,
+                                         edges_head, n0, end, pos, side_pos, window, weight,
+                                         row_ok, side_ok, m_i, l_i, acc, sk_s, sv_s, se_r,
+                                         sm_scale, BLOCK_N, D, SIDE_M, COLLECT, DOT_SUM,
+                                         KEEP_EDGES, IEEE,
+                                         False)
         for n0 in range(head_end, visible_end, BLOCK_N):
-            m_i, l_i, acc = _verify_tile(q, q_side, k_head, v_head, scores_head, edges_head,
-                                         n0, end, pos, side_pos, window, weight, row_ok,
-                                         side_ok, m_i, l_i, acc, sk_s, sv_s, se_r, sm_scale,
-                                         BLOCK_N, D, SIDE_M, COLLECT, KEEP_EDGES, IEEE, True)
+            m_i, l_i, acc = _verify_tile(q, q_side, q_sum, k_head, v_head, scores_head,
+                                         edges_head, n0, end, pos, side_pos, window, weight,
+                                         row_ok, side_ok, m_i, l_i, acc, sk_s, sv_s, se_r,
+                                         sm_scale, BLOCK_N, D, SIDE_M, COLLECT, DOT_SUM,
+                                         KEEP_EDGES, IEEE,
+                                         True)
         for n0 in range(visible_end, end, BLOCK_N):
-            m_i, l_i, acc = _verify_tile(q, q_side, k_head, v_head, scores_head, edges_head,
-                                         n0, end, pos, side_pos, window, weight, row_ok,
-                                         side_ok, m_i, l_i, acc, sk_s, sv_s, se_r, sm_scale,
-                                         BLOCK_N, D, SIDE_M, COLLECT, KEEP_EDGES, IEEE, False)
+            m_i, l_i, acc = _verify_tile(q, q_side, q_sum, k_head, v_head, scores_head,
+                                         edges_head, n0, end, pos, side_pos, window, weight,
+                                         row_ok, side_ok, m_i, l_i, acc, sk_s, sv_s, se_r,
+                                         sm_scale, BLOCK_N, D, SIDE_M, COLLECT, DOT_SUM,
+                                         KEEP_EDGES, IEEE,
+                                         False)
         _store_partials(ACC, MAX, SUM, LIVE, bh, split, bh * sa_bh + split * sa_sp,
                         bh * sm_bh + split * sm_sp, sa_m, acc, m_i, l_i, live, start, end,
                         G * T, BLOCK_M, D)
@@ -520,7 +553,8 @@ def verify_attention(q, k, v, positions, kv_len: int, row_weights=None, *, score
         scores.stride(0), scores.stride(1), edges.stride(0), edges.stride(1), edges.stride(2),
         kv_len, NO_WINDOW if window is None else window, splits, 1.0 / math.sqrt(d),
         H_KV=h_kv, G=g, T=t, D=d, BLOCK_M=block_rows(g * t), BLOCK_N=block_n,
-        COLLECT=collect, SIDE_M=block_rows(edge_rows(t) * g if edge_logits else 1),
+        COLLECT=collect, DOT_SUM=block_rows(g * t) >= DOT_SUM_ROWS,
+        SIDE_M=block_rows(edge_rows(t) * g if edge_logits else 1),
         KEEP_EDGES=edge_logits, IEEE=q.dtype == torch.float32,
         num_warps=SPLIT_WARPS, num_stages=split_stages(d),
     )

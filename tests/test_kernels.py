@@ -98,6 +98,7 @@ def assert_prefix_close(got, ref, ends, tol):
     (3, 3, 6, 3, 64, 700, 5),  # many tiles per split
     (2, 7, 9, 3, 64, 129, 2),  # SmolLM2's heads: 21 packed rows
     (2, 7, 9, 3, 64, 300, 1),  # one split: the merge only normalises it
+    (2, 11, 9, 3, 64, 700, 2),  # gamma 10: 33 rows, scores by the weighted query sum
 ])
 def test_verify_attention_matches_reference(dtype, batch, rows, heads, kv_heads, dim, kv_len,
                                             splits):
