@@ -8,6 +8,7 @@ import collections
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -162,6 +163,27 @@ def test_a_worker_killed_mid_trial_loses_that_trial_only(tmp_path):
     if not name.startswith("shared:refine"):
         assert any(t.user_attrs.get("claim") == claim and t.state == TrialState.COMPLETE
                    for t in found[name])
+
+
+def test_a_trial_that_never_named_its_worker_is_failed_once_it_is_old(tmp_path, monkeypatch):
+    """A process killed between optuna starting a trial and the objective's first line
+    leaves a RUNNING trial with no worker: a resumed run must not wait for it forever."""
+    import optuna
+    from optuna.trial import TrialState
+
+    from vegas_tune import tuner
+
+    study = optuna.create_study(storage=open_storage(str(tmp_path / "s.journal")),
+                                study_name="orphan")
+    orphan = study.ask()  # RUNNING, no worker named
+    named = study.ask()
+    named.set_user_attr("worker", f"{socket.gethostname()}:{os.getppid()}")  # alive
+    tuner._fail_dead_local_trials(study)
+    assert {t.state for t in study.get_trials()} == {TrialState.RUNNING}  # too young
+    monkeypatch.setattr(tuner, "UNNAMED_TRIAL_SECONDS", -1)
+    tuner._fail_dead_local_trials(study)
+    states = {t.number: t.state for t in study.get_trials()}
+    assert states == {orphan.number: TrialState.FAIL, named.number: TrialState.RUNNING}
 
 
 def test_a_worker_on_other_hardware_is_refused(tmp_path, monkeypatch, capsys):

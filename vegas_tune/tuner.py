@@ -31,15 +31,18 @@ what it measures (a ``claim`` key: the configuration and batch size) before meas
 and the lowest-numbered live trial of a claim measures it: a later one backs off (failed,
 with its reason in ``backed_off``), so every grid point, gamma candidate, TPE
 configuration and baselines run is measured once. A trial left running by a dead worker
-is marked failed (at once on the same host, by the RDB heartbeat elsewhere) and its
-configuration queued again. Every step ends when no worker has a trial of it running, so
-each worker chooses from the same trials and writes the same profile.
+is marked failed (at once on the same host, by the RDB heartbeat elsewhere; anywhere, once
+it has gone UNNAMED_TRIAL_SECONDS without naming its worker, which a live worker does as
+the trial starts) and its configuration queued again. Every step ends when no worker has
+a trial of it running, so each worker chooses from the same trials and writes the same
+profile.
 A batch size that does not fit in memory is recorded in ``TuneResult.not_tuned``; the
 other sizes go on.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import os
@@ -72,6 +75,9 @@ POLL_SECONDS = 1
 # trial states its claim right after its parameters are sampled).
 CLAIM_WAIT_SECONDS = 30
 HEARTBEAT_SECONDS = 60
+# A worker names itself in a trial as it starts; a running trial still unnamed after this
+# long was left by a process killed in between (optuna had already marked it running).
+UNNAMED_TRIAL_SECONDS = 30
 GRACE_SECONDS = 300
 REFINE_WINDOWS = (0.0, 0.25, 0.5, 0.75)
 # Rounds before a configuration may stop for precision: fewer give intervals too wide
@@ -203,15 +209,24 @@ def _worker_id() -> str:
 
 
 def _fail_dead_local_trials(study) -> None:
-    """Trials left RUNNING by a killed process on this host are marked failed, so their
-    configurations run again; other hosts' trials are left to the heartbeat."""
+    """Trials left RUNNING by a killed process are marked failed, so their configurations
+    run again: on this host, those whose worker process is gone; anywhere, those that
+    never named a worker within UNNAMED_TRIAL_SECONDS of starting (the process died
+    between optuna starting the trial and the objective's first line). Other hosts' named
+    trials are left to the heartbeat."""
     from optuna.trial import TrialState
 
     host = socket.gethostname()
+    # optuna stamps datetime_start with the local wall clock, naive.
+    unnamed_since = datetime.datetime.now() - datetime.timedelta(seconds=UNNAMED_TRIAL_SECONDS)
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        worker = t.user_attrs.get("worker", "")
-        name, _, pid = worker.partition(":")
-        if name == host and pid.isdigit() and not _alive(int(pid)):
+        worker = t.user_attrs.get("worker")
+        if worker is None:
+            dead = t.datetime_start is not None and t.datetime_start < unnamed_since
+        else:
+            name, _, pid = worker.partition(":")
+            dead = name == host and pid.isdigit() and not _alive(int(pid))
+        if dead:
             study._storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
             log.info("trial %d of %s was left running by a dead process; marked failed",
                      t.number, study.study_name)
@@ -361,6 +376,11 @@ class Tuner:
                     raise DuplicateTrial("no queued grid point was left")
                 return measure_point(trial)
 
+        def named(trial, measure=objective):
+            # First thing: a trial without a worker is taken for a dead process's.
+            trial.set_user_attr("worker", _worker_id())
+            return measure(trial)
+
         report()
         stalled = False
         while True:
@@ -375,7 +395,7 @@ class Tuner:
             if wanted and not stalled:
                 # Out-of-memory trials fail with their reason, duplicates back off; the
                 # study goes on.
-                study.optimize(objective, n_trials=wanted, timeout=self._remaining_seconds(),
+                study.optimize(named, n_trials=wanted, timeout=self._remaining_seconds(),
                                callbacks=[report],
                                catch=(torch.cuda.OutOfMemoryError, DuplicateTrial))
                 # Sampled trials that were all duplicates: the space is used up.
@@ -448,7 +468,6 @@ class Tuner:
         """Claim ``claim`` for ``trial`` (see ``_claim``), then run ``measure``; an
         out-of-memory trial fails with its reason recorded (not retried on resume) and
         the tuner goes on."""
-        trial.set_user_attr("worker", _worker_id())
         self._claim(trial.study, trial, claim)
         try:
             with self._interrupts.interruptible():
