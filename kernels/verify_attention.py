@@ -426,22 +426,19 @@ if triton is not None:
                                          edges_head, n0, end, pos, side_pos, window, weight,
                                          row_ok, side_ok, m_i, l_i, acc, sk_s, sv_s, se_r,
                                          sm_scale, BLOCK_N, D, SIDE_M, COLLECT, DOT_SUM,
-                                         KEEP_EDGES, IEEE,
-                                         False)
+                                         KEEP_EDGES, IEEE, False)
         for n0 in range(head_end, visible_end, BLOCK_N):
             m_i, l_i, acc = _verify_tile(q, q_side, q_sum, k_head, v_head, scores_head,
                                          edges_head, n0, end, pos, side_pos, window, weight,
                                          row_ok, side_ok, m_i, l_i, acc, sk_s, sv_s, se_r,
                                          sm_scale, BLOCK_N, D, SIDE_M, COLLECT, DOT_SUM,
-                                         KEEP_EDGES, IEEE,
-                                         True)
+                                         KEEP_EDGES, IEEE, True)
         for n0 in range(visible_end, end, BLOCK_N):
             m_i, l_i, acc = _verify_tile(q, q_side, q_sum, k_head, v_head, scores_head,
                                          edges_head, n0, end, pos, side_pos, window, weight,
                                          row_ok, side_ok, m_i, l_i, acc, sk_s, sv_s, se_r,
                                          sm_scale, BLOCK_N, D, SIDE_M, COLLECT, DOT_SUM,
-                                         KEEP_EDGES, IEEE,
-                                         False)
+                                         KEEP_EDGES, IEEE, False)
         _store_partials(ACC, MAX, SUM, LIVE, bh, split, bh * sa_bh + split * sa_sp,
                         bh * sm_bh + split * sm_sp, sa_m, acc, m_i, l_i, live, start, end,
                         G * T, BLOCK_M, D)
