@@ -2,9 +2,9 @@
 
 For each batch size, on the same long embedded prompts (the tuner's workload for the same
 dataset, ctx and number of prompts): vanilla greedy decoding, then each drafter (default
-vegas and streaming) at the same budget and at each of the ``--gamma`` values. Every (batch, method) gets an untimed
-warm-up generate (Triton compiles, CUDA graphs are captured and kept with the model's
-workspace) and then a timed run. The prompts are prefilled once per batch size: the
+vegas and streaming) at the same budget and at each of the ``--gamma`` values. Every
+(batch, method) gets an untimed warm-up generate (Triton compiles, CUDA graphs are
+captured and kept with the model's workspace) and then a timed run. The prompts are prefilled once per batch size: the
 workspace's cache remembers which prompt each row holds, so later methods reuse it.
 
 Measured per (batch, method), from one timed ``generate``:
