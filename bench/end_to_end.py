@@ -4,8 +4,9 @@ For each batch size, on the same long embedded prompts (the tuner's workload for
 dataset, ctx and number of prompts): vanilla greedy decoding, then each drafter (default
 vegas and streaming) at the same budget and at each of the ``--gamma`` values. Every
 (batch, method) gets an untimed warm-up generate (Triton compiles, CUDA graphs are
-captured and kept with the model's workspace) and then a timed run. The prompts are prefilled once per batch size: the
-workspace's cache remembers which prompt each row holds, so later methods reuse it.
+captured and kept with the model's workspace) and then a timed run. The prompts are
+prefilled once per batch size: the workspace's cache remembers which prompt each row
+holds, so later methods reuse it.
 
 Measured per (batch, method), from one timed ``generate``:
 
@@ -492,8 +493,9 @@ def run(args, out: Path) -> dict:
             f"({', '.join(p.name for p in prompts[:4])}{', ...' if batch > 4 else ''})")
         tokens: dict[str, list[list[int]]] = {}
         for method, gamma in runs:
-            name = run_label(method, gamma, args.gamma)
-            row, tokens[name] = run_method(model, prompts, method, gamma, args, batch)
+            row, generated = run_method(model, prompts, method, gamma, args, batch)
+            name = row["run"]
+            tokens[name] = generated
             data["runs"].append(row)
             data["tokens"].append(dict(batch=batch, method=name, tokens=tokens[name]))
             write_outputs(out, data)
