@@ -226,6 +226,7 @@ def noisy_measure(speedup_of, noise: float = 0.03, seed: int = 0):
         return fake_measurement(100.0 * speedup_of(spec) * factor, 2.0, spec.gamma)
 
     measure.calls = []
+    measure.prompts = {}  # batch size -> the distinct prompts its batches decode
     return measure
 
 
@@ -423,6 +424,7 @@ def batch_aware_measure(speedup_at, noise: float = 0.02, seed: int = 0, fail_at=
     def measure(self, spec, report=None):
         batch = self.workload.batch_size
         measure.calls.append((batch, spec))
+        measure.prompts[batch] = {tuple(ids) for b in self.workload.batches() for ids in b}
         if batch in fail_at:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 80 GiB")
         factor = math.exp(rng.gauss(0.0, noise)) * 100.0 * batch
@@ -431,6 +433,7 @@ def batch_aware_measure(speedup_at, noise: float = 0.02, seed: int = 0, fail_at=
         return fake_measurement(factor * speedup_at(batch, spec), 2.0, spec.gamma)
 
     measure.calls = []
+    measure.prompts = {}  # batch size -> the distinct prompts its batches decode
     return measure
 
 
@@ -459,6 +462,11 @@ def test_batch_list_measures_acceptance_once_and_writes_a_schedule(tmp_path, mon
     sparsity_steps = [s for s in profile["steps"] if s["name"] == "sparsity"]
     assert len(sparsity_steps) == 1 and sparsity_steps[0]["batch_size"] is None
     assert sorted(s["batch_size"] for s in profile["steps"] if s["name"] == "gamma") == [1, 4, 8]
+    # --num-prompts 2: batch 1 decodes those two; larger batches one prompt per sequence,
+    # not copies of the two (their greedy sequences would be copies too).
+    assert {b: len(p) for b, p in measure.prompts.items()} == {1: 2, 4: 4, 8: 8}
+    assert measure.prompts[1] < measure.prompts[4] < measure.prompts[8]
+    assert profile["workload"]["num_prompts"] == 8
     code, stdout, _ = run(["validate", str(out)], capsys)
     assert code == 0, stdout
     code, stdout, _ = run(["show", str(out)], capsys)

@@ -40,7 +40,7 @@ log = logging.getLogger("vegas_tune")
 # `bench` rounds: the default, and the fewest that give an interval.
 BENCH_ROUNDS = 3
 MIN_BENCH_ROUNDS = 2
-# Prompts per trial when --num-prompts is not given and the batch is smaller.
+# Distinct prompts per trial when --num-prompts is not given and the smallest batch is smaller.
 MIN_PROMPTS = 4
 SUBCOMMANDS = ("tune", "bench", "validate", "show", "diff", "export", "doctor")
 ENV_PREFIX = "VEGAS_TUNE_"
@@ -248,7 +248,7 @@ def tune(
     batch_size: Optional[str] = typer.Option(None, help="Sequences decoded together; a comma-separated list (1,16,64,128,256) tunes each size and writes a schedule."),
     max_new_tokens: Optional[int] = typer.Option(None, help="Tokens generated per prompt."),
     temperature: Optional[float] = typer.Option(None, help="0 = greedy."),
-    num_prompts: Optional[int] = typer.Option(None, help="Prompts per trial; a last batch they do not fill is filled by wrapping around."),
+    num_prompts: Optional[int] = typer.Option(None, help="Distinct prompts per trial at batch sizes below it, decoded in batches (a last batch they do not fill wraps around); a larger batch size decodes one distinct prompt per sequence."),
     probe_gamma: Optional[int] = typer.Option(None, help="Gamma of step 1."),
     gamma_max: Optional[int] = typer.Option(None, help="Largest gamma of the gamma step."),
     sparsity_grid: Optional[str] = typer.Option(None, help="Step 1 ratios, comma-separated."),

@@ -60,6 +60,15 @@ class TuneSettings:
     new_study: bool = False
 
 
+def distinct_prompts(num_prompts: int, batch_sizes: tuple[int, ...]) -> int:
+    """How many distinct prompts a workload over ``batch_sizes`` decodes: ``num_prompts``,
+    or the largest batch size when it is larger. A batch size below ``num_prompts`` decodes
+    the first ``num_prompts`` in batches; a larger one decodes one distinct prompt per
+    sequence. Repeating a few prompts to fill a large batch would make its greedy
+    sequences copies of each other, so acceptance there would be that of a few prompts."""
+    return max(num_prompts, *batch_sizes)
+
+
 def model_slug(spec: str) -> str:
     """'dummy:qwen3-8b' -> 'dummy-qwen3-8b'; '/m/Qwen3-8B' -> 'qwen3-8b'."""
     name = spec.rstrip("/").split("/")[-1]
@@ -141,10 +150,13 @@ def run_tune(settings: TuneSettings,
         raise VegasError(f"--ctx {settings.ctx} + --max-new-tokens {settings.max_new_tokens} "
                          f"exceeds {model.spec}'s maximum of {limit} positions; lower --ctx")
     prompts = load_prompts(model.tokenizer, settings.dataset, settings.ctx,
-                           settings.num_prompts, settings.seed)
-    measurers = {size: Measurer(model, Workload(prompts, size, settings.max_new_tokens,
-                                                settings.temperature, settings.seed))
-                 for size in settings.batch_sizes}
+                           distinct_prompts(settings.num_prompts, settings.batch_sizes),
+                           settings.seed)
+    measurers = {}
+    for size in settings.batch_sizes:
+        own = prompts[:distinct_prompts(settings.num_prompts, (size,))]
+        measurers[size] = Measurer(model, Workload(own, size, settings.max_new_tokens,
+                                                   settings.temperature, settings.seed))
     log.info("model %s on %s; %d prompts of %d tokens from %s; batch sizes %s; study %s in %s",
              model.label, hardware.get("gpu_name") or "CPU", len(prompts), settings.ctx,
              settings.dataset, ", ".join(map(str, settings.batch_sizes)), study_name, storage)
