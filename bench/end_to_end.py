@@ -59,7 +59,7 @@ from bench.acceptance import hardware, with_ext, write_atomic  # noqa: E402
 from vegas_core import SpecConfig, VegasError, generate, load_model  # noqa: E402
 from vegas_core.attention import AttentionMeta, attention_backend  # noqa: E402
 from vegas_core.prefill import prefill  # noqa: E402
-from vegas_core.spec_config import DRAFTERS  # noqa: E402
+from vegas_core.spec_config import COLLECT, DRAFTERS, GRANULARITIES  # noqa: E402
 from vegas_tune.datasets import EMBEDDED_DATASETS, load_prompts  # noqa: E402
 from vegas_tune.measure import Measurer, Workload  # noqa: E402
 
@@ -117,9 +117,11 @@ def run_label(method: str, gamma: int | None, gammas: list[int]) -> str:
 
 def run_method(model, prompts, method: str, gamma: int | None, args, batch: int
                ) -> tuple[dict, list[list[int]]]:
-    # --score and --window describe a vegas configuration (a tuned one, to cross-check a
-    # profile); the peers keep their own selection at the same gamma and budget.
-    options = dict(score=args.score, window=args.window) if method == "vegas" else {}
+    # --score, --window, --collect and --granularity describe a vegas configuration (a
+    # tuned one, to cross-check a profile); the peers keep their own selection at the same
+    # gamma and budget.
+    options = dict(score=args.score, window=args.window, collect=args.collect,
+                   granularity=args.granularity) if method == "vegas" else {}
     spec = None if method == "vanilla" else SpecConfig(
         drafter=method, gamma=gamma, sparsity=args.sparsity, min_tokens=args.min_tokens,
         **options)
@@ -329,7 +331,9 @@ def summarize(data: dict) -> str:
         f"{', '.join(map(str, a['batch']))}.",
         f"- Speculative: gamma = {gammas_text(a['gamma'])}, sparsity {a['sparsity']}, min_tokens "
         f"{a['min_tokens']} (budget max(min_tokens, ceil(sparsity x prefix))); drafters "
-        f"{', '.join(a['drafters'])}.",
+        f"{', '.join(a['drafters'])}; vegas: {a.get('score', 'logit')} scores, collect "
+        f"{a.get('collect', 'two')}, granularity {a.get('granularity', 'layer')}, window "
+        f"share {a.get('window', 0.0):g}.",
         f"- Hardware: {meta['hardware']}; torch {meta['versions']['torch']}, triton "
         f"{meta['versions']['triton']}; attention: {meta['attention_backend']}.",
         f"- Date: {meta['date']}; run time {meta.get('seconds', 0) / 60:.1f} min"
@@ -524,6 +528,10 @@ def main() -> None:
     p.add_argument("--min-tokens", type=int, default=256)
     p.add_argument("--score", default="logit", help="vegas score (logit or weight)")
     p.add_argument("--window", type=float, default=0.0, help="vegas sink/window budget share")
+    p.add_argument("--collect", choices=COLLECT, default="two",
+                   help="vegas: the verify rows whose scores select")
+    p.add_argument("--granularity", choices=GRANULARITIES, default="layer",
+                   help="vegas: one set per layer or per KV head")
     p.add_argument("--num-prompts", type=int, default=None,
                    help="distinct prompts, repeated to fill each batch (default: the batch size)")
     p.add_argument("--warmup-tokens", type=int, default=8,
