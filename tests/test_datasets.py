@@ -53,6 +53,18 @@ def test_embedded_prompts_have_exactly_ctx_tokens(dataset):
     assert [p.ids for p in prompts] == [p.ids for p in embedded]
 
 
+@pytest.mark.parametrize("dataset", EMBEDDED_DATASETS)
+def test_embedded_prompts_stay_distinct_past_their_sources(dataset):
+    # 16 code modules and 8 prose starting topics: 80 prompts take five rounds of each in
+    # mixed. A batch filled with copies would decode copies, and its acceptance would be
+    # that of fewer prompts than it claims.
+    count = 80
+    prompts = embedded_prompts(WordTokenizer(), dataset, 256, count)
+    assert all(len(p.ids) == 256 for p in prompts)
+    assert len({tuple(p.ids) for p in prompts}) == count
+    assert len({p.name for p in prompts}) == count
+
+
 @pytest.mark.parametrize("suffix", [".jsonl", ".json", ".csv", ".parquet"])
 @pytest.mark.parametrize("column", ["text", "prompt"])
 def test_file_records_become_prompts_of_ctx_tokens(tmp_path, suffix, column):

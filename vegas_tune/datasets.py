@@ -8,6 +8,8 @@ Embedded workloads: long prompts built from text every Python installation carri
 - ``code``: Python standard-library sources (the first ``ctx`` tokens of each module,
   continuing into the next module when one is short).
 - ``prose``: the ``pydoc_data.topics`` help texts, joined from a starting topic on.
+  Past the first round of modules (topics), each round starts ROUND_SKIP_TOKENS
+  further into its first text, so that a workload of hundreds of prompts holds no copies.
 - ``mixed``: code and prose prompts alternating (the default).
 - ``retrieval``: synthetic long-range retrieval: a table of key/value lines at the
   start, filler prose, then the table's first lines again, so that continuing means
@@ -16,6 +18,7 @@ Embedded workloads: long prompts built from text every Python installation carri
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import importlib.util
@@ -42,6 +45,9 @@ RETRIEVAL_TABLE_SHARE = 0.3
 RETRIEVAL_REPEATED_LINES = 4
 # Below this a prompt is too short to say anything about long-context drafting.
 MIN_CTX_TOKENS = 16
+# How much further into its first text each round of code (prose) prompts starts, in
+# tokens; prime, so that offsets taken modulo a text's length stay distinct.
+ROUND_SKIP_TOKENS = 997
 
 
 @dataclass
@@ -63,27 +69,39 @@ def _prose_from(start: int) -> str:
     return "\n\n".join(topics[k] for k in order)
 
 
-def _fill(tokenizer, texts: list[str], ctx: int) -> list[int]:
+def _fill(encode, texts: list[str], ctx: int, skip: int = 0) -> list[int]:
+    """The first ``ctx`` tokens of ``texts`` one after another, starting ``skip`` tokens
+    into the first (modulo what it can give up: all of it when more texts follow, else
+    all but ``ctx``)."""
     ids: list[int] = []
-    for text in texts:
-        ids.extend(tokenizer.encode(text))
+    for n, text in enumerate(texts):
+        encoded = encode(text)
+        if n == 0 and skip:
+            room = len(encoded) if len(texts) > 1 else len(encoded) - ctx + 1
+            encoded = encoded[skip % max(room, 1):]
+        ids.extend(encoded)
         if len(ids) >= ctx:
             return ids[:ctx]
     raise VegasError(f"the embedded text is shorter than ctx {ctx} tokens; use a smaller --ctx")
 
 
-def code_prompt(tokenizer, i: int, ctx: int) -> Prompt:
+def code_prompt(encode, i: int, ctx: int) -> Prompt:
     first = CODE_MODULES[i % len(CODE_MODULES)]
     rest = [m for m in CODE_MODULES if m != first]
-    return Prompt(f"code:{first}", _fill(tokenizer, (_module_source(m) for m in [first, *rest]), ctx))
+    round_ = i // len(CODE_MODULES)
+    ids = _fill(encode, [_module_source(m) for m in [first, *rest]], ctx,
+                skip=round_ * ROUND_SKIP_TOKENS)
+    return Prompt(f"code:{first}" + (f"+{round_}" if round_ else ""), ids)
 
 
-def prose_prompt(tokenizer, i: int, ctx: int) -> Prompt:
-    start = PROSE_START_TOPICS[i % len(PROSE_START_TOPICS)] + 7 * (i // len(PROSE_START_TOPICS))
-    return Prompt(f"prose:topic{start}", _fill(tokenizer, [_prose_from(start)], ctx))
+def prose_prompt(encode, i: int, ctx: int) -> Prompt:
+    start = PROSE_START_TOPICS[i % len(PROSE_START_TOPICS)]
+    round_ = i // len(PROSE_START_TOPICS)
+    ids = _fill(encode, [_prose_from(start)], ctx, skip=round_ * ROUND_SKIP_TOKENS)
+    return Prompt(f"prose:topic{start}" + (f"+{round_}" if round_ else ""), ids)
 
 
-def retrieval_prompt(tokenizer, i: int, ctx: int, seed: int = 0) -> Prompt:
+def retrieval_prompt(encode, i: int, ctx: int, seed: int = 0) -> Prompt:
     rng = random.Random(seed * 1000 + i)
     words = ("amber", "birch", "cobalt", "delta", "ember", "fjord", "garnet", "harbor",
              "indigo", "juniper", "kelvin", "lumen", "magma", "nectar", "onyx", "prism")
@@ -92,14 +110,14 @@ def retrieval_prompt(tokenizer, i: int, ctx: int, seed: int = 0) -> Prompt:
     while len(table) < RETRIEVAL_TABLE_SHARE * ctx:
         line = f"key-{rng.randrange(10000, 99999)}: {rng.choice(words)}-{rng.randrange(1000, 9999)}\n"
         lines.append(line)
-        table.extend(tokenizer.encode(line))
-    tail = tokenizer.encode("\n\nThe same table again, from the top:\n"
+        table.extend(encode(line))
+    tail = encode("\n\nThe same table again, from the top:\n"
                             + "".join(lines[:RETRIEVAL_REPEATED_LINES]))
-    head = tokenizer.encode("A table of keys and their values:\n") + table
+    head = encode("A table of keys and their values:\n") + table
     room = ctx - len(head) - len(tail)
     if room < 0:
         raise VegasError(f"ctx {ctx} is too small for a retrieval prompt; use --ctx 512 or more")
-    filler = _fill(tokenizer, [_prose_from(i + 3)], room) if room else []
+    filler = _fill(encode, [_prose_from(i + 3)], room) if room else []
     return Prompt(f"retrieval:{i}", head + filler + tail)
 
 
@@ -109,14 +127,16 @@ def embedded_prompts(tokenizer, dataset: str, ctx: int, count: int, seed: int = 
         raise VegasError(f"unknown dataset '{dataset}'; embedded: {', '.join(EMBEDDED_DATASETS)}")
     if ctx < MIN_CTX_TOKENS:
         raise VegasError(f"ctx must be at least {MIN_CTX_TOKENS} tokens, got {ctx}")
+    # Each source text is encoded once per call, however many prompts start in it.
+    encode = functools.lru_cache(maxsize=None)(tokenizer.encode)
     prompts = []
     for i in range(count):
         if dataset == "code" or (dataset == "mixed" and i % 2 == 0):
-            prompts.append(code_prompt(tokenizer, i // (2 if dataset == "mixed" else 1), ctx))
+            prompts.append(code_prompt(encode, i // (2 if dataset == "mixed" else 1), ctx))
         elif dataset == "prose" or dataset == "mixed":
-            prompts.append(prose_prompt(tokenizer, i // (2 if dataset == "mixed" else 1), ctx))
+            prompts.append(prose_prompt(encode, i // (2 if dataset == "mixed" else 1), ctx))
         else:
-            prompts.append(retrieval_prompt(tokenizer, i, ctx, seed))
+            prompts.append(retrieval_prompt(encode, i, ctx, seed))
     return prompts
 
 
