@@ -18,6 +18,7 @@ import yaml
 
 from vegas_tune import cli
 from vegas_tune.measure import Measurement
+from vegas_tune.tuner import Tuner
 
 # Small enough for seconds per trial on the CPU, big enough to exercise every step.
 FAST = ["--model", "dummy:tiny", "--ctx", "512", "--num-prompts", "2", "--max-new-tokens", "12",
@@ -557,6 +558,7 @@ def test_time_budget_writes_the_best_profile_the_finished_trials_support(
         return inner(self, spec, report)
 
     monkeypatch.setattr("vegas_tune.measure.Measurer.measure", slow)
+    clock_from_the_tuner(monkeypatch)
     out = tmp_path / "p.yaml"
     code, _, err = run([*FAST, "--out", str(out), "--batch-size", "1,2",
                         "--time-budget", "1.2"], capsys)
@@ -575,6 +577,37 @@ def test_time_budget_writes_the_best_profile_the_finished_trials_support(
     (entry,) = profile["schedule"]
     assert entry["config"] == "vanilla" and entry["results"]["speedup"] is None
     assert entry["results"]["rounds"] == 1 and profile["cut_short"][0].startswith("sparsity")
+
+
+def test_time_budget_counts_from_the_start_of_the_run(tmp_path, monkeypatch, capsys):
+    # Building the prompts takes longer than the budget: step 1 is cut at its first trial,
+    # where a clock started after the set-up would have let the whole tune run.
+    from vegas_tune import pipeline
+
+    build = pipeline.load_prompts
+
+    def slow_prompts(*args, **kwargs):
+        time.sleep(2.0)
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "load_prompts", slow_prompts)
+    monkeypatch.setattr("vegas_tune.measure.Measurer.measure",
+                        batch_aware_measure(lambda batch, spec: 1.5))
+    out = tmp_path / "p.yaml"
+    code, _, err = run([*FAST, "--out", str(out), "--time-budget", "1.5"], capsys)
+    assert code == 2 and "ran out before any trial finished" in err, err
+    assert not out.exists()
+
+
+def clock_from_the_tuner(monkeypatch):
+    """Start the budget's clock when the tuner starts, so that a slow machine's set-up
+    (imports, loading) does not decide where a short budget ends."""
+    start = Tuner.__init__
+
+    def now(self, *args, started=None, **kwargs):
+        start(self, *args, **kwargs)
+
+    monkeypatch.setattr(Tuner, "__init__", now)
 
 
 def test_time_budget_with_no_finished_trial_exits_2_and_writes_nothing(tmp_path, monkeypatch,

@@ -164,7 +164,8 @@ def run_tune(settings: TuneSettings,
           "dtype": str(model.dtype).removeprefix("torch."),
           "dataset_sha256": dataset_fingerprint(prompts)}
     tuner = Tuner(measurers, storage, study_name, settings.options,
-                  resume=settings.resume, new_study=False, fingerprint=fp, progress=progress)
+                  resume=settings.resume, new_study=False, fingerprint=fp, progress=progress,
+                  started=t0)
     result = tuner.run()
 
     schedule = build_schedule(result.sizes, CONFIDENCE)

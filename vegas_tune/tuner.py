@@ -251,12 +251,15 @@ class Tuner:
     and prompts). ``fingerprint`` names what the measurements depend on (model, hardware,
     workload, measurement settings); it is stored with the studies, and resuming a study
     recorded with another fingerprint is refused. ``new_study`` discards the studies of
-    this name in the storage and starts over.
+    this name in the storage and starts over. ``started`` (``time.monotonic()``) is when
+    the run began, so that ``options.time_budget`` also covers what came before the
+    tuner (loading the model, building prompts); by default, now.
     """
 
     def __init__(self, measurers: dict[int, Measurer], storage: str, study_name: str,
                  options: TuneOptions, *, resume: bool, new_study: bool = False,
-                 fingerprint: dict | None = None, progress: ProgressCallback | None = None):
+                 fingerprint: dict | None = None, progress: ProgressCallback | None = None,
+                 started: float | None = None):
         import optuna
 
         # Optuna logs every failed trial with a traceback; the tuner reports failures itself.
@@ -272,7 +275,8 @@ class Tuner:
         # As the storage will return it (JSON: tuples become lists), for comparing.
         self.fingerprint = json.loads(json.dumps(fingerprint or {}))
         self.progress = progress
-        self.deadline = time.monotonic() + options.time_budget if options.time_budget else None
+        began = time.monotonic() if started is None else started
+        self.deadline = began + options.time_budget if options.time_budget else None
         self._where: tuple[str, int | None, int] | None = None  # (step, batch, total trials)
         self._interrupts = DeferredInterrupts()
         self._waited = 0.0  # seconds spent waiting for other workers in this step
