@@ -8,12 +8,14 @@ Embedded workloads: long prompts built from text every Python installation carri
 - ``code``: Python standard-library sources (the first ``ctx`` tokens of each module,
   continuing into the next module when one is short).
 - ``prose``: the ``pydoc_data.topics`` help texts, joined from a starting topic on.
-  Past the first round of modules (topics), each round starts ROUND_SKIP_TOKENS
-  further into its first text, so that a workload of hundreds of prompts holds no copies.
 - ``mixed``: code and prose prompts alternating (the default).
 - ``retrieval``: synthetic long-range retrieval: a table of key/value lines at the
   start, filler prose, then the table's first lines again, so that continuing means
   copying lines from far back in the context.
+
+Code and prose prompts come in rounds, one prompt per module (starting topic); each
+round after the first starts ``ROUND_SKIP_TOKENS`` further into its first text, so that a
+workload of hundreds of prompts holds no copies.
 """
 
 from __future__ import annotations
@@ -112,7 +114,7 @@ def retrieval_prompt(encode, i: int, ctx: int, seed: int = 0) -> Prompt:
         lines.append(line)
         table.extend(encode(line))
     tail = encode("\n\nThe same table again, from the top:\n"
-                            + "".join(lines[:RETRIEVAL_REPEATED_LINES]))
+                  + "".join(lines[:RETRIEVAL_REPEATED_LINES]))
     head = encode("A table of keys and their values:\n") + table
     room = ctx - len(head) - len(tail)
     if room < 0:
