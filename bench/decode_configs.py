@@ -5,7 +5,7 @@ wave the split count fills; tile width BLOCK_N; warps; pipeline stages) for one 
 row) and verify (``--verify-rows``) attention against the K+V bytes / copy-bandwidth
 floor of the same run, and the split-merge kernel alone. Each configuration is first
 checked against the float32 reference. Module constants are patched for the sweep only;
-the winner is what ``kernels/verify_attention.py`` should ship.
+the winner is what ``vegas_kernels/verify_attention.py`` should ship.
 
     python bench/decode_configs.py --out docs/results/decode-configs-h200.md
 """
@@ -23,13 +23,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import kernels.verify_attention as va  # noqa: E402
+import vegas_kernels.verify_attention as va  # noqa: E402
 from bench.kernels import SHAPES, copy_bandwidth, median_us  # noqa: E402
 
 
 @contextlib.contextmanager
 def launch_constants(**constants):
-    """``kernels.verify_attention``'s module constants (or functions) set for the block,
+    """``vegas_kernels.verify_attention``'s module constants (or functions) set for the block,
     then restored (also when the block fails)."""
     saved = {name: getattr(va, name) for name in constants}
     for name, value in constants.items():

@@ -25,10 +25,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels.collect_scores import (collect_scores, edge_weight_scores,  # noqa: E402
-                                    reference_collect_scores)
-from kernels.sparse_attention import reference_sparse_attention, sparse_attention  # noqa: E402
-from kernels.verify_attention import reference_verify_attention, verify_attention  # noqa: E402
+from vegas_kernels.collect_scores import (collect_scores, edge_weight_scores,  # noqa: E402
+                                          reference_collect_scores)
+from vegas_kernels.sparse_attention import (reference_sparse_attention,  # noqa: E402
+                                            sparse_attention)
+from vegas_kernels.verify_attention import (reference_verify_attention,  # noqa: E402
+                                            verify_attention)
 
 SHAPES = {"qwen3-8b": (32, 8, 128), "llama-3.1-8b": (32, 8, 128),  # heads, kv heads, dim
           "smollm2-135m": (9, 3, 64)}

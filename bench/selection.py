@@ -2,7 +2,7 @@
 
 For each (ctx, batch): the scores of every layer, as the verify pass leaves them
 ([layers, batch, KV heads, ctx] float32); the PyTorch path (heads summed, the prefix
-masked, ``torch.topk``) and ``kernels.select_slots.topk_slots`` (one launch), each timed
+masked, ``torch.topk``) and ``vegas_kernels.select_slots.topk_slots`` (one launch), each timed
 as in ``bench/kernels.py`` (median of CUDA-event timings of a graph of calls, after
 warm-up). Floor = the score bytes / the copy bandwidth measured in the run. Both paths
 are first checked to select the same slots on fresh random scores.
@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.acceptance import write_atomic  # noqa: E402
 from bench.kernels import CALLS_PER_GRAPH, REPEATS, copy_bandwidth, median_us  # noqa: E402
-from kernels.select_slots import reference_topk_slots, topk_slots  # noqa: E402
+from vegas_kernels.select_slots import reference_topk_slots, topk_slots  # noqa: E402
 from vegas_core.spec_config import draft_budget  # noqa: E402
 
 SHAPES = {"smollm2-135m": (30, 3), "qwen3-8b": (36, 8), "llama-3.1-8b": (32, 8)}  # layers, KV heads

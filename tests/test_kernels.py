@@ -16,14 +16,16 @@ import torch
 
 triton = pytest.importorskip("triton", reason="Triton is optional on CPU-only installs")
 
-from kernels.collect_scores import (COLLECT_TILES, collect_scores,  # noqa: E402
-                                    edge_weight_scores, reference_collect_scores)
-import kernels.verify_attention as verify_module  # noqa: E402
-from kernels.verify_attention import BLOCK_N, merge_partials, split_buffers  # noqa: E402
-from kernels.select_slots import (reference_topk_slots, reserved_slots,  # noqa: E402
-                                   topk_slots)
-from kernels.sparse_attention import reference_sparse_attention, sparse_attention  # noqa: E402
-from kernels.verify_attention import reference_verify_attention, verify_attention  # noqa: E402
+from vegas_kernels.collect_scores import (COLLECT_TILES, collect_scores,  # noqa: E402
+                                          edge_weight_scores, reference_collect_scores)
+import vegas_kernels.verify_attention as verify_module  # noqa: E402
+from vegas_kernels.verify_attention import BLOCK_N, merge_partials, split_buffers  # noqa: E402
+from vegas_kernels.select_slots import (reference_topk_slots, reserved_slots,  # noqa: E402
+                                        topk_slots)
+from vegas_kernels.sparse_attention import (reference_sparse_attention,  # noqa: E402
+                                            sparse_attention)
+from vegas_kernels.verify_attention import (reference_verify_attention,  # noqa: E402
+                                            verify_attention)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16] if DEVICE == "cuda" else [torch.float32]

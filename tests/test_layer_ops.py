@@ -1,4 +1,4 @@
-"""Fused layer ops (kernels.layer_ops) against their PyTorch references.
+"""Fused layer ops (vegas_kernels.layer_ops) against their PyTorch references.
 
 Without a GPU the kernels run in Triton's interpreter (which handles bfloat16 tensors
 on the CPU too), so shapes are small. The references themselves are first checked
@@ -13,8 +13,8 @@ import torch
 
 triton = pytest.importorskip("triton", reason="Triton is optional on CPU-only installs")
 
-from kernels.layer_ops import (reference_rms_norm, reference_rope_and_store,  # noqa: E402
-                               reference_silu_mul, rms_norm, rope_and_store, silu_mul)
+from vegas_kernels.layer_ops import (reference_rms_norm, reference_rope_and_store,  # noqa: E402
+                                     reference_silu_mul, rms_norm, rope_and_store, silu_mul)
 from vegas_core.cache import KVCache  # noqa: E402
 from vegas_core.model import RMSNorm, rotate_half  # noqa: E402
 

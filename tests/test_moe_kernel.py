@@ -1,4 +1,4 @@
-"""Grouped mixture of experts (kernels.moe) against its float64 PyTorch reference, on
+"""Grouped mixture of experts (vegas_kernels.moe) against its float64 PyTorch reference, on
 fresh random inputs.
 
 Without a GPU the kernels run in Triton's interpreter, so shapes are tiny: 6 experts of
@@ -19,8 +19,8 @@ import torch
 
 triton = pytest.importorskip("triton", reason="Triton is optional on CPU-only installs")
 
-import kernels.moe as moe_module  # noqa: E402
-from kernels.moe import BLOCK_M, moe, reference_moe  # noqa: E402
+import vegas_kernels.moe as moe_module  # noqa: E402
+from vegas_kernels.moe import BLOCK_M, moe, reference_moe  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16] if DEVICE == "cuda" else [torch.float32]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.prefill_attention import prefill_attention, reference_prefill_attention
+from vegas_kernels.prefill_attention import prefill_attention, reference_prefill_attention
 from vegas_core import SpecConfig, generate
 from vegas_core.prefill import PrefixCache, prefill
 from vegas_core.spec_config import DRAFTERS
@@ -39,7 +39,7 @@ def test_prefill_attention_matches_the_reference_in_float64(shape, start):
 def test_sliding_window_prefill_matches_the_reference(monkeypatch, start, window):
     """A sliding layer's prefill, in blocks smaller than the prompt (so some blocks start
     past the window and some within it)."""
-    import kernels.prefill_attention as module
+    import vegas_kernels.prefill_attention as module
 
     monkeypatch.setattr(module, "WINDOW_BLOCK_ROWS", 48)
     q, k, v = random_block(2, 130, 4, 2, 16, start, torch.float64, "cpu", seed=window)
@@ -52,7 +52,7 @@ def test_sliding_window_prefill_matches_the_reference(monkeypatch, start, window
 def test_prefill_with_attention_sinks_matches_the_reference(monkeypatch, start, window):
     """gpt-oss's sinks through the fused path (a sink slot reached by extra head dims),
     with and without a sliding window, against the reference's softmax with the sink."""
-    import kernels.prefill_attention as module
+    import vegas_kernels.prefill_attention as module
 
     monkeypatch.setattr(module, "WINDOW_BLOCK_ROWS", 48)
     q, k, v = random_block(2, 130, 4, 2, 16, start, torch.float64, "cpu", seed=start + 1)
@@ -118,7 +118,7 @@ def test_new_prefill_gives_the_old_prefills_greedy_tokens(smollm, smollm_prompts
     spec = None if drafter is None else SpecConfig(drafter=drafter, gamma=4, sparsity=0.1,
                                                    min_tokens=32)
 
-    import kernels.prefill_attention as fused
+    import vegas_kernels.prefill_attention as fused
 
     calls = [0]
     real = fused.prefill_attention

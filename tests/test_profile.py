@@ -461,7 +461,7 @@ def test_profile_yaml_embeds_the_vllm_json_readably(tmp_path):
 
 @pytest.mark.parametrize("head, status, expected", [
     ("0ef4112" * 5 + "aaaaa", "", "0ef4112" * 5 + "aaaaa"),
-    ("0ef4112" * 5 + "aaaaa", " M kernels/verify_attention.py", "0ef4112" * 5 + "aaaaa+dirty"),
+    ("0ef4112" * 5 + "aaaaa", " M vegas_kernels/verify_attention.py", "0ef4112" * 5 + "aaaaa+dirty"),
     (None, "", None),  # not a checkout
 ])
 def test_git_revision_marks_uncommitted_changes(monkeypatch, head, status, expected):

@@ -21,7 +21,7 @@ L, B, HKV, T, S = 3, 2, 2, 5, 40
 
 @pytest.fixture(params=["reference", "triton"])
 def selection_path(request, monkeypatch):
-    """Top-k by PyTorch, or by ``kernels.select_slots`` in Triton's interpreter. These
+    """Top-k by PyTorch, or by ``vegas_kernels.select_slots`` in Triton's interpreter. These
     tables live on the CPU: on a GPU machine the kernel's own tests (tests/test_kernels.py)
     run it natively instead."""
     if request.param == "triton" and torch.cuda.is_available():
@@ -163,7 +163,7 @@ def test_streaming_keeps_sinks_and_the_most_recent_prefix():
 
 def test_streaming_index_lists_hold_the_window_mask():
     """The index lists built directly hold exactly the slots of the window's mask."""
-    from kernels.select_slots import reserved_indices, reserved_slots
+    from vegas_kernels.select_slots import reserved_indices, reserved_slots
 
     prefix = torch.tensor([100, 30, 17, 5, 1])
     for reserved in (torch.tensor([40, 30, 16, 5, 1]), torch.tensor([16, 3, 0, 2, 1])):

@@ -5,7 +5,7 @@ Full, verify and draft forwards run the same model code; they differ only in the
 
 - ``full``: causal attention over the whole cache (prefill chunks, vanilla decode). A
   prefill chunk (``AttentionMeta.prefill``) also says where its block starts, so that
-  it can run on the fused prefill kernels (``kernels.prefill_attention``).
+  it can run on the fused prefill kernels (``vegas_kernels.prefill_attention``).
 - ``verify``: the same, for the γ+1 rows of a speculative verify window.
 - ``draft``: sparse attention over per-layer index lists of prefix slots, plus every slot
   from ``tail_start`` up to the query's own position (tokens written since the selection).
@@ -252,7 +252,7 @@ def kernels_enabled(q: torch.Tensor) -> bool:
 
 
 def prefill_kernels_enabled() -> bool:
-    """Prefill chunks run on PyTorch's fused attention (``kernels.prefill_attention``) on
+    """Prefill chunks run on PyTorch's fused attention (``vegas_kernels.prefill_attention``) on
     every device, unless VEGAS_ATTENTION=reference."""
     return os.environ.get(ATTENTION_ENV, "auto") != "reference"
 
@@ -295,7 +295,7 @@ def _kernel_attention(q, k, v, layer: int, meta: AttentionMeta,
     window = meta.window_of(layer)
     edges = collector is not None and collector.keeps_edges and window is None
     if dense and (collector is None or collector.fusable or edges or collector.deferrable):
-        from kernels.verify_attention import verify_attention
+        from vegas_kernels.verify_attention import verify_attention
 
         fuse = collector is not None and collector.fusable
         weights = collector.fused_rows if fuse else None
@@ -311,7 +311,7 @@ def _kernel_attention(q, k, v, layer: int, meta: AttentionMeta,
             collector.defer(layer, q, k, meta.positions, lse, meta.kv_len)
         return out
     if meta.mode == "draft" and isinstance(meta.sparse, SparseSelection) and q.shape[1] == 1:
-        from kernels.sparse_attention import sparse_attention
+        from vegas_kernels.sparse_attention import sparse_attention
 
         sel = meta.sparse
         row = sel.row(layer)
@@ -330,7 +330,7 @@ def attend(q: torch.Tensor, cache: KVCache, layer: int, meta: AttentionMeta,
     k, v = cache.layer(layer, meta.kv_len)
     if meta.block_start is not None and meta.collector is None and prefill_kernels_enabled():
         # Every prefill chunk, short ones too: no Triton kernel compiled per chunk shape.
-        from kernels.prefill_attention import prefill_attention
+        from vegas_kernels.prefill_attention import prefill_attention
 
         return prefill_attention(q, k, v, meta.block_start, meta.window_of(layer), sinks)
     out = _kernel_attention(q, k, v, layer, meta, sinks)

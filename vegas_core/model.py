@@ -20,7 +20,7 @@ from vegas_core.attention import AttentionMeta, attend, kernels_enabled, support
 from vegas_core.cache import KVCache
 from vegas_core.config import ModelConfig
 
-# Tokens up to which a mixture runs on the grouped Triton kernel (kernels.moe) where the
+# Tokens up to which a mixture runs on the grouped Triton kernel (vegas_kernels.moe) where the
 # kernels are enabled: decode, draft and verify forwards, up to a batch of 256 verifying
 # 16 rows. Longer forwards (prefill chunks) give each expert many tokens, and the
 # per-expert GEMMs of the eager loop serve them better.
@@ -38,7 +38,7 @@ class RMSNorm(nn.Module):
         """-> norm(x); with ``residual``: (norm(h), h) for h = x + residual, the sum the
         next block adds to (one kernel on the fused path)."""
         if fused:
-            from kernels.layer_ops import rms_norm
+            from vegas_kernels.layer_ops import rms_norm
 
             return rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
@@ -185,7 +185,7 @@ class Attention(nn.Module):
         q, k, v = qkv[:, :, :h], qkv[:, :, h:h + h_kv], qkv[:, :, h + h_kv:]  # q: [B, T, H, D]
         if rope.fused:
             # q/k norm, rotation and the cache write in one kernel.
-            from kernels.layer_ops import rope_and_store
+            from vegas_kernels.layer_ops import rope_and_store
 
             norms = (None, None) if self.q_norm is None else (self.q_norm.weight,
                                                               self.k_norm.weight)
@@ -215,7 +215,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, *, fused: bool = False) -> torch.Tensor:
         if fused and not self.gelu:
-            from kernels.layer_ops import silu_mul
+            from vegas_kernels.layer_ops import silu_mul
 
             return self.down_proj(silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -274,7 +274,7 @@ class MixtureOfExperts(nn.Module):
         x = x.reshape(-1, shape[-1])  # [N, D]
         weights, chosen = self.route(x)  # [N, K]
         if fused and x.shape[0] <= MOE_KERNEL_MAX_TOKENS:
-            from kernels.moe import moe
+            from vegas_kernels.moe import moe
 
             c = self.config
             return moe(x, weights, chosen, self.experts_gate_up, self.experts_down,

@@ -1,7 +1,7 @@
 """Prompts into the KV cache: token ids, checks, chunked prefill, and prompt K/V reuse.
 
 Prefill runs whole prompts (or as much of them as one forward's token budget allows)
-through the model, on the fused prefill attention (``kernels.prefill_attention``). Two
+through the model, on the fused prefill attention (``vegas_kernels.prefill_attention``). Two
 things let it skip work:
 
 - the cache's own memory of its rows (``KVCache.prompts``): a kept cache whose row

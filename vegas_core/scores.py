@@ -15,12 +15,12 @@ layer in ascending order, whichever of four paths filled it:
   rows, logit scores), so the verify kernel sums them on the fly;
 - **edges** (``keeps_edges``): Collect-2-Query probabilities, which need each row's
   final log-sum-exp: the verify kernel keeps the first and last rows' logits (float16)
-  and, once the layer's attention is merged, ``kernels.collect_scores.
+  and, once the layer's attention is merged, ``vegas_kernels.collect_scores.
   edge_weight_scores`` turns them into the summed probabilities, without reading K
   again;
 - **deferred** (``deferrable``): the rows are known only after acceptance (the last
   accepted row), or all rows' probabilities count: the kernel keeps each layer's
-  queries and log-sum-exp, and ``finish`` runs ``kernels.collect_scores``, reading K
+  queries and log-sum-exp, and ``finish`` runs ``vegas_kernels.collect_scores``, reading K
   once more;
 - **reference**: PyTorch attention hands over per-row scores (``add``) and ``finish``
   sums the rows.
@@ -103,7 +103,7 @@ class ScoreCollector:
                    positions: torch.Tensor, kv_len: int) -> None:
         """edges [B, H_kv, E * G, S] (float16) and lse [B, T, H] of ``layer``'s verify
         attention: summed into its probabilities now (a few bytes per slot, not K)."""
-        from kernels.collect_scores import edge_weight_scores
+        from vegas_kernels.collect_scores import edge_weight_scores
 
         self._summed[layer] = edge_weight_scores(edges, lse, positions, self.fused_rows, kv_len,
                                                  out=self.home(layer))
@@ -129,7 +129,7 @@ class ScoreCollector:
 
     def reduce_deferred(self, rows: torch.Tensor) -> None:
         """The score kernel over the deferred layers, for rows [B, T]."""
-        from kernels.collect_scores import collect_scores
+        from vegas_kernels.collect_scores import collect_scores
 
         for layer, (q, k, positions, lse, kv_len) in self._deferred.items():
             self._summed[layer] = collect_scores(

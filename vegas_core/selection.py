@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import select_slots
+from vegas_kernels import select_slots
 from vegas_core.attention import SparseSelection, kernels_enabled
 from vegas_core.spec_config import SpecConfig, draft_budget
 
@@ -71,7 +71,7 @@ def _topk_selection(scores: torch.Tensor, prefix_len: torch.Tensor, budget: torc
     the heads' scores, else H; ``reserved[b]`` window slots (``select_slots.
     reserved_slots``) come first. ``k_max`` >= max(budget), known on the host, avoids
     reading the budget back from the device. One Triton launch where the kernels serve
-    (``kernels.select_slots``)."""
+    (``vegas_kernels.select_slots``)."""
     l, b = scores.shape[:2]
     k = max(int(budget.max()) if k_max is None else k_max, 1)
     if kernels_enabled(scores) and select_slots.serves(scores):

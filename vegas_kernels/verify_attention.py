@@ -43,7 +43,7 @@ dot (docs/results/verify-scores-h200.md). Tiles with per-row masks sum the rows 
 before.
 
 ``reference_verify_attention`` is the PyTorch ground truth for all three outputs.
-The split/merge machinery here is shared with ``kernels.sparse_attention``.
+The split/merge machinery here is shared with ``vegas_kernels.sparse_attention``.
 """
 
 from __future__ import annotations
@@ -512,7 +512,7 @@ def verify_attention(q, k, v, positions, kv_len: int, row_weights=None, *, score
     logits q.k / sqrt(D) of the first and last window rows, float16 [B, H_kv, E * G,
     kv_len] (E = 2 rows, or 1 when T == 1; row ``E * g + e`` is head g of the group at
     edge e), invisible slots -inf: with the returned lse they give the Collect-2-Query
-    ``weight`` scores (``kernels.collect_scores.edge_weight_scores``) without reading K
+    ``weight`` scores (``vegas_kernels.collect_scores.edge_weight_scores``) without reading K
     again. Slots at or past each sequence's total are left unwritten.
 
     q [B, T, H, D]; k, v [B, H_kv, >= kv_len, D] (last dim contiguous); positions [B, T];

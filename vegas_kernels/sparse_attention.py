@@ -7,7 +7,7 @@ One program per (sequence, KV head, split of that key list); the group's query h
 share each gathered tile (GQA packing: row r of the tile is query head
 ``kv_head * G + r``).
 
-As in ``kernels.verify_attention``, lengths live on the device only: the grid comes
+As in ``vegas_kernels.verify_attention``, lengths live on the device only: the grid comes
 from the static bound ``max_keys`` and a split count, and each program cuts its own
 slice of ``total = counts[b] + max(positions[b] - tail_start[b] + 1, 0)`` keys, so one
 launch (a captured CUDA graph) serves any key count up to the bound. The splits are
@@ -23,15 +23,15 @@ import math
 
 import torch
 
-from kernels.verify_attention import (BLOCK_N, SPLIT_WARPS, block_rows, merge_partials,
-                                      split_buffers, split_stages, splits_for)
+from vegas_kernels.verify_attention import (BLOCK_N, SPLIT_WARPS, block_rows, merge_partials,
+                                            split_buffers, split_stages, splits_for)
 
 try:
     import triton
     import triton.language as tl
 
-    from kernels.verify_attention import (_scaled_scores, _softmax_step, _split_range,
-                                          _store_partials, _store_rows)
+    from vegas_kernels.verify_attention import (_scaled_scores, _softmax_step, _split_range,
+                                                _store_partials, _store_rows)
 except ImportError:
     triton = None
 

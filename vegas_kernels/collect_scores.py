@@ -13,7 +13,7 @@ with ``x = q.k / sqrt(D)`` (``logit`` mode, ``lse`` None) or ``x = exp(q.k / sqr
 lse[b, t, h])`` (``weight`` mode, ``lse`` [B, T, H] from ``verify_attention``).
 Invisible slots contribute 0.
 
-Layout as in ``kernels.verify_attention``: the G * T rows of a KV group are packed into
+Layout as in ``vegas_kernels.verify_attention``: the G * T rows of a KV group are packed into
 one tile (row r: head ``kvh * G + r // T``, window row ``r % T``). One program per
 (sequence * KV head, block of COLLECT_TILES tiles of BLOCK_N slots up to the static
 ``kv_len``); a program reads ``total = min(kv_len, max(positions[b]) + 1)`` from the
@@ -36,13 +36,13 @@ import math
 
 import torch
 
-from kernels.verify_attention import BLOCK_N, block_rows, edge_rows, scores_home, supported
+from vegas_kernels.verify_attention import BLOCK_N, block_rows, edge_rows, scores_home, supported
 
 try:
     import triton
     import triton.language as tl
 
-    from kernels.verify_attention import _scaled_scores
+    from vegas_kernels.verify_attention import _scaled_scores
 except ImportError:  # CPU-only installs: the reference path is used
     triton = None
 

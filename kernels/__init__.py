@@ -1,4 +1,0 @@
-"""Triton kernels (verify attention with fused selection scores, sparse draft attention,
-the top-k of the prefix slots), each beside its PyTorch reference. The engine's
-reference path lives in ``vegas_core.attention``; attention kernels plug in behind
-``vegas_core.attention.attend``, the top-k behind ``vegas_core.selection``."""
