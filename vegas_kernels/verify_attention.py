@@ -353,7 +353,7 @@ if triton is not None:
         H_KV: tl.constexpr, G: tl.constexpr, T: tl.constexpr, D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, COLLECT: tl.constexpr,
         DOT_SUM: tl.constexpr, SIDE_M: tl.constexpr, KEEP_EDGES: tl.constexpr,
-        IEEE: tl.constexpr,
+        WINDOWED: tl.constexpr, IEEE: tl.constexpr,
     ):
         bh = tl.program_id(0)
         split = tl.program_id(1)
@@ -409,24 +409,34 @@ if triton is not None:
         first_pos = tl.min(tl.where(row_ok, pos, kv_len), axis=0)
         last_pos = tl.max(pos, axis=0)
         total = tl.maximum(tl.minimum(last_pos + 1, kv_len), 0)
-        low = tl.minimum(tl.maximum(first_pos - window + 1, 0), total)
+        if WINDOWED:
+            low = tl.minimum(tl.maximum(first_pos - window + 1, 0), total)
+        else:
+            low = total * 0
         start, end, live = _split_range(low, total, split, splits, BLOCK_N)
         # Whole tiles inside every row's window and below every row's position: visible
         # to all rows. Before them, the tiles where a sliding window starts; after, the
-        # verify window's own tiles and the range's end.
-        inside_all = tl.minimum(tl.maximum(last_pos - window + 1 - start, 0), end - start)
-        head_end = start + tl.minimum(tl.cdiv(inside_all, BLOCK_N) * BLOCK_N, end - start)
+        # verify window's own tiles and the range's end. Without a window there is no
+        # head: WINDOWED compiles its loop away, because a third loop in every kernel took
+        # 36-row fused scores at the Qwen3-8B shape from +6% to +18% over a plain verify
+        # (docs/results/verify-scores-h200.md).
+        if WINDOWED:
+            inside_all = tl.minimum(tl.maximum(last_pos - window + 1 - start, 0), end - start)
+            head_end = start + tl.minimum(tl.cdiv(inside_all, BLOCK_N) * BLOCK_N, end - start)
+        else:
+            head_end = start
         seen_by_all = tl.minimum(first_pos + 1, end)
         visible_end = head_end + tl.maximum(seen_by_all - head_end, 0) // BLOCK_N * BLOCK_N
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
-        for n0 in range(start, head_end, BLOCK_N):
-            m_i, l_i, acc = _verify_tile(q, q_side, q_sum, k_head, v_head, scores_head,
-                                         edges_head, n0, end, pos, side_pos, window, weight,
-                                         row_ok, side_ok, m_i, l_i, acc, sk_s, sv_s, se_r,
-                                         sm_scale, BLOCK_N, D, SIDE_M, COLLECT, DOT_SUM,
-                                         KEEP_EDGES, IEEE, False)
+        if WINDOWED:
+            for n0 in range(start, head_end, BLOCK_N):
+                m_i, l_i, acc = _verify_tile(q, q_side, q_sum, k_head, v_head, scores_head,
+                                             edges_head, n0, end, pos, side_pos, window,
+                                             weight, row_ok, side_ok, m_i, l_i, acc, sk_s,
+                                             sv_s, se_r, sm_scale, BLOCK_N, D, SIDE_M,
+                                             COLLECT, DOT_SUM, KEEP_EDGES, IEEE, False)
         for n0 in range(head_end, visible_end, BLOCK_N):
             m_i, l_i, acc = _verify_tile(q, q_side, q_sum, k_head, v_head, scores_head,
                                          edges_head, n0, end, pos, side_pos, window, weight,
@@ -552,7 +562,7 @@ def verify_attention(q, k, v, positions, kv_len: int, row_weights=None, *, score
         H_KV=h_kv, G=g, T=t, D=d, BLOCK_M=block_rows(g * t), BLOCK_N=block_n,
         COLLECT=collect, DOT_SUM=block_rows(g * t) >= DOT_SUM_ROWS,
         SIDE_M=block_rows(edge_rows(t) * g if edge_logits else 1),
-        KEEP_EDGES=edge_logits, IEEE=q.dtype == torch.float32,
+        KEEP_EDGES=edge_logits, WINDOWED=window is not None, IEEE=q.dtype == torch.float32,
         num_warps=SPLIT_WARPS, num_stages=split_stages(d),
     )
     out = torch.empty(b, t, h, d, device=dev, dtype=q.dtype)
