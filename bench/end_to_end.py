@@ -463,9 +463,17 @@ def summarize(data: dict) -> str:
 # --- main ------------------------------------------------------------------------------
 
 
+def compact_json(data: dict) -> str:
+    """``data`` as JSON with one line per top-level key: the token lists of a batch-256 run
+    take half the bytes of an indented dump (about 0.9 against 1.9 MB)."""
+    items = [f"{json.dumps(key)}: {json.dumps(value, separators=(',', ':'))}"
+             for key, value in data.items()]
+    return "{\n" + ",\n".join(items) + "\n}\n"
+
+
 def write_outputs(out: Path, data: dict) -> None:
     data["meta"]["seconds"] = time.perf_counter() - T0
-    write_atomic(with_ext(out, ".json"), json.dumps(data, indent=1))
+    write_atomic(with_ext(out, ".json"), compact_json(data))
     write_atomic(with_ext(out, ".md"), summarize(data))
 
 

@@ -70,3 +70,20 @@ def test_vegas_is_compared_with_streaming_at_its_own_gamma_and_at_streamings_bes
     (row64,) = [line for line in vegas_against_streaming(runs) if line.startswith("| 64")]
     assert row64 == "| 64 | vegas g6 | - | 0.750x (streaming g8) | 5.90 / - | 2.0% |"
     assert vegas_against_streaming([r for r in runs if r["method"] != "streaming"]) == []
+
+
+def test_end_to_end_json_reads_back_equal_with_one_line_per_key():
+    """The results JSON is written compactly (token lists are most of a batch-256 run)
+    and must still read back to the same data for ``--from-json``."""
+    import json
+
+    from bench.end_to_end import compact_json
+
+    data = {"meta": {"args": {"ctx": 8000, "out": "docs/results/e2e|x"}, "seconds": 1.5},
+            "runs": [{"batch": 256, "method": "vegas", "mean_accepted_length": None}],
+            "tokens": [{"batch": 256, "tokens": [[1, 2, 3], [4, 5]]}]}
+    text = compact_json(data)
+    assert json.loads(text) == data
+    lines = text.splitlines()  # "{", one line per key, "}"
+    assert len(lines) == len(data) + 2 and lines[1].startswith('"meta": {')
+    assert len(text) < len(json.dumps(data, indent=1))
