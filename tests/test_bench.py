@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from vegas_core import load_model
@@ -87,3 +88,34 @@ def test_end_to_end_json_reads_back_equal_with_one_line_per_key():
     lines = text.splitlines()  # "{", one line per key, "}"
     assert len(lines) == len(data) + 2 and lines[1].startswith('"meta": {')
     assert len(text) < len(json.dumps(data, indent=1))
+
+
+def test_kernel_resources_are_read_from_cuobjdumps_report():
+    from bench.kernel_resources import parse_resource_usage
+
+    report = ("\nResource usage:\n Common:\n  GLOBAL:0\n Function _verify_split_kernel:\n"
+              "  REG:175 STACK:8 SHARED:1024 LOCAL:0 CONSTANT[0]:728 TEXTURE:0 SURFACE:0\n")
+    assert parse_resource_usage(report) == {"REG": 175, "STACK": 8, "SHARED": 1024, "LOCAL": 0}
+    with pytest.raises(ValueError, match="STACK"):
+        parse_resource_usage(report.replace("STACK:8 ", ""))
+
+
+def test_the_split_kernel_compiles_for_an_h200_on_a_machine_without_one():
+    """The launch Triton would specialise on the GPU (a split count of 1, fused scores),
+    compiled for sm_90; the driver and the pre-compile hook are given back afterwards."""
+    pytest.importorskip("triton")
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from bench.kernel_resources import H200_SMS, compile_split_kernel, load_module, resource_usage
+
+    module = load_module()
+    driver, hook = triton.runtime.driver._active, triton.knobs.runtime.jit_cache_hook
+    kernel, constexprs, splits = compile_split_kernel(
+        module, (9, 3, 64), batch=256, rows=7, ctx=8192, fused=True,
+        target=GPUTarget("cuda", 90, 32), sms=H200_SMS)
+    assert splits == 1 and constexprs["COLLECT"] and constexprs["BLOCK_M"] == 32
+    assert (constexprs["BLOCK_N"], constexprs["T"], constexprs["G"]) == (128, 7, 3)
+    usage = resource_usage(kernel.asm["cubin"])
+    assert 0 < usage["REG"] <= 255 and usage["STACK"] >= 0
+    assert (triton.runtime.driver._active, triton.knobs.runtime.jit_cache_hook) == (driver, hook)
