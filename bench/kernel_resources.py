@@ -176,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sms", type=int, default=H200_SMS, help="the GPU's SM count")
     parser.add_argument("--out", type=Path, help="path without suffix: writes OUT.md")
     args = parser.parse_args(argv)
+    if args.module and not Path(args.module).is_file():
+        parser.error(f"--module {args.module}: no such file (give a verify_attention.py, e.g. "
+                     "one written by `git show <commit>:vegas_kernels/verify_attention.py`)")
 
     module = load_module(args.module)
     target = GPUTarget("cuda", args.arch, 32)
@@ -185,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
              f"triton {triton.__version__}; torch {torch.__version__}",
              f"- Command: `python {' '.join(shlex.quote(a) for a in sys.argv)}`",
              "- REG: registers per thread; STACK: bytes of stack per thread (spills); "
-             "SHARED: static shared memory (bytes); dynamic: Triton's shared memory.",
+             "dynamic shared: the shared memory (bytes) Triton allocates per program.",
              "",
              "| shape | batch | rows | scores | splits | tile (M x N) | warps / stages | REG "
              "| STACK | dynamic shared |",
