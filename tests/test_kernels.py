@@ -501,6 +501,26 @@ def test_topk_slots_one_launch_serves_new_lengths_and_budgets():
         assert_same_top_slots(replay(), scores, prefix, budget, span // 4, True, None)
 
 
+def test_topk_slots_reads_rows_rounded_up_only_inside_their_storage():
+    """Rows are loaded up to their length rounded to LOAD_ALIGN slots (so the loads
+    vectorise) where the storage holds that much, else exactly: scores that end where
+    their storage ends are never read past, and still select right."""
+    from vegas_kernels.select_slots import LOAD_ALIGN, _load_len
+
+    home = torch.randn(2, 3, 2, 100, generator=torch.Generator().manual_seed(5))
+    assert LOAD_ALIGN == 16
+    assert _load_len(home[..., :90]) == 96
+    assert _load_len(home[..., :96]) == 96
+    assert _load_len(home) == 100  # the last row ends the storage: 112 would run past it
+    scores = home.to(DEVICE)
+    prefix = torch.tensor([100, 61, 33], device=DEVICE)
+    budget = torch.tensor([9, 20, 33], device=DEVICE)
+    reserved = torch.tensor([4, 0, 3], device=DEVICE)
+    for sum_heads in (False, True):
+        got = topk_slots(scores, prefix, budget, 40, sum_heads, reserved)
+        assert_same_top_slots(got, scores, prefix, budget, 40, sum_heads, reserved)
+
+
 @pytest.mark.parametrize("drafter", ["vegas", "streaming", "snapkv"])
 def test_engine_on_the_kernel_path_matches_the_reference_path(drafter, monkeypatch):
     """Vanilla decode steps and index-list drafts through the kernels give the same

@@ -23,6 +23,7 @@ import torch
 
 from vegas_core.attention import AttentionMeta, SparseSelection
 from vegas_core.scores import ScoreCollector
+from vegas_kernels.select_slots import LOAD_ALIGN
 
 # VEGAS_CUDA_GRAPHS: "auto" (capture on CUDA), "0" (eager steps with host-sized
 # shapes, for debugging and comparison), or "static" (the static-buffer steps, run
@@ -242,8 +243,11 @@ class SpeculativeForwards:
 
     def score_buffer(self, shape: tuple[int, ...]) -> torch.Tensor:
         """A float32 home for the kernels' selection scores, kept with the graphs that
-        write it."""
-        make = lambda: torch.empty(shape, dtype=torch.float32, device=self.device)  # noqa: E731
+        write it; its rows (the last dim) rounded up to a multiple of LOAD_ALIGN slots,
+        so that every row starts aligned and the selection kernel's loads vectorise."""
+        *lead, slots = shape
+        padded = (*lead, -(-slots // LOAD_ALIGN) * LOAD_ALIGN)
+        make = lambda: torch.empty(padded, dtype=torch.float32, device=self.device)  # noqa: E731
         return self.space.get(("scores",), make) if self.static else make()
 
     def draft(self, sel, tokens: torch.Tensor, positions: torch.Tensor,

@@ -21,6 +21,14 @@ selected set then equals ``torch.topk``'s up to the order of equal scores. The w
 stays in registers, so the search re-reads nothing: rows up to RESIDENT_SPAN slots
 (longer prefixes use the PyTorch path, ``reference_topk_slots``).
 
+The kernel is bound by latency, not bandwidth: how many programs an SM holds (set by
+registers) and how many instructions a program issues decide its time. Three choices
+keep both low (docs/results/selection-smollm2-h200.md, stop 29): the row's loads are
+masked on a length divisible by 16 (``_load_len``), so they vectorise and need a quarter
+of the address registers of per-slot masked loads; the list's places come from a
+running count in two levels (within rows of COUNT_ROW slots, then across them) rather
+than one scan of the whole row; and the lengths are compared as 32-bit integers.
+
 ``reference_topk_slots`` is the PyTorch ground truth (and that fallback).
 """
 
@@ -36,17 +44,23 @@ except ImportError:  # CPU-only installs: the reference path is used
 
 # Longest row the kernel keeps in registers: 64 scores per thread at 16 warps (at 32768
 # slots still 1.0-1.65x faster than PyTorch's top-k on the H200; longer rows use it).
-# Fewer, fuller warps make each count's block reduction cheaper: at 8192 slots 4 warps
-# ran 1.2x faster than 8 and 1.4x faster than 16 (docs/results/selection-smollm2-h200.md).
+# At least 8 warps: with 4, a program needed 255 registers (spilling) and an SM held two;
+# at 8 warps 127, two programs of twice the warps (docs/results/selection-smollm2-h200.md).
 RESIDENT_SPAN = 32768
 SCORES_PER_THREAD = 64
-MIN_WARPS = 4
+MIN_WARPS = 8
 MAX_WARPS = 16
 # Past this many probes the search bisects: a bound on its worst case (interpolated
 # probes find the k-th largest score in about 7-11 of them on smooth scores).
 INTERPOLATED_PROBES = 24
 # Streaming window (MagicDec-Stream and Vegas's reserved share): sink slots at the start.
 WINDOW_SINKS = 16
+# Slots per row of the two-level running count: one warp's slots (32 lanes x 4), so the
+# count along a row needs no shared memory.
+COUNT_ROW = 128
+# Row lengths the loads' mask is rounded up to: Triton vectorises a load whose mask is
+# constant over 4 slots only when it can prove it, from a bound divisible by 16.
+LOAD_ALIGN = 16
 
 __all__ = ["RESIDENT_SPAN", "reference_topk_slots", "reserved_indices", "reserved_slots",
            "serves", "topk_slots"]
@@ -98,6 +112,17 @@ def serves(scores: torch.Tensor) -> bool:
     return triton is not None and scores.shape[-1] <= RESIDENT_SPAN
 
 
+def _load_len(scores: torch.Tensor) -> int:
+    """The slots each row's loads cover: its length rounded up to LOAD_ALIGN where the
+    storage holds that many more (the padding is read, never selected), else the length."""
+    s = scores.shape[-1]
+    padded = -(-s // LOAD_ALIGN) * LOAD_ALIGN
+    last_row = scores.storage_offset() + sum((n - 1) * st for n, st in
+                                             zip(scores.shape[:-1], scores.stride()[:-1]))
+    fits = last_row + padded <= scores.untyped_storage().nbytes() // scores.element_size()
+    return padded if fits else s
+
+
 def _launch_shape(span: int) -> tuple[int, int]:
     block = max(triton.next_power_of_2(span), 16)
     return block, max(MIN_WARPS, min(MAX_WARPS, block // (32 * SCORES_PER_THREAD)))
@@ -123,42 +148,57 @@ def topk_slots(scores: torch.Tensor, prefix_len: torch.Tensor, budget: torch.Ten
     _topk_slots_kernel[(l * b * groups,)](
         scores, prefix_len, budget, reserved, out,
         scores.stride(0), scores.stride(1), scores.stride(2), b, groups, heads, k_cap,
-        HAS_RESERVED=has_reserved, SINKS=WINDOW_SINKS,
-        INTERPOLATED_PROBES=INTERPOLATED_PROBES, BLOCK=block, num_warps=warps)
+        _load_len(scores), HAS_RESERVED=has_reserved, SINKS=WINDOW_SINKS,
+        INTERPOLATED_PROBES=INTERPOLATED_PROBES, BLOCK=block, COUNT_ROW=min(block, COUNT_ROW),
+        num_warps=warps)
     return out
 
 
 if triton is not None:
+
+    @triton.jit
+    def _running_count(flags, BLOCK: tl.constexpr, ROW: tl.constexpr):
+        """Inclusive running count of flags [BLOCK] (int32): along rows of ROW slots,
+        plus the totals of the rows before."""
+        rows = tl.reshape(flags, [BLOCK // ROW, ROW])
+        totals = tl.sum(rows, axis=1)
+        before = tl.cumsum(totals, axis=0) - totals
+        return tl.reshape(tl.cumsum(rows, axis=1) + before[:, None], [BLOCK])
+
     # The list capacity follows the longest prefix, so it changes between iterations:
     # specialised (divisible by 16, or 1), it would compile new variants mid-decode.
     @triton.jit(do_not_specialize=["k_cap"])
     def _topk_slots_kernel(SCORES, PREFIX, BUDGET, RESERVED, OUT,
-                           s_l, s_b, s_h, batch, groups, heads, k_cap,
+                           s_l, s_b, s_h, batch, groups, heads, k_cap, load_len,
                            HAS_RESERVED: tl.constexpr, SINKS: tl.constexpr,
-                           INTERPOLATED_PROBES: tl.constexpr, BLOCK: tl.constexpr):
+                           INTERPOLATED_PROBES: tl.constexpr, BLOCK: tl.constexpr,
+                           COUNT_ROW: tl.constexpr):
         row = tl.program_id(0)  # (layer, sequence, group), group fastest
         g = row % groups
         b = (row // groups) % batch
         layer = row // (groups * batch)
-        prefix = tl.load(PREFIX + b)
-        k = tl.load(BUDGET + b)
+        prefix = tl.load(PREFIX + b).to(tl.int32)
+        k = tl.load(BUDGET + b).to(tl.int32)
         slots = tl.arange(0, BLOCK)
         candidate = slots < prefix
 
         base = SCORES + layer.to(tl.int64) * s_l + b.to(tl.int64) * s_b + (g * heads) * s_h
+        # Masked on load_len, not the prefix, so that the loads vectorise; the slots past
+        # the prefix are ruled out by their key below.
+        loadable = slots < load_len
         x = tl.zeros([BLOCK], dtype=tl.float32)
         for h in range(heads):
-            x += tl.load(base + h * s_h + slots, mask=candidate, other=0.0)
+            x += tl.load(base + h * s_h + slots, mask=loadable, other=0.0)
         bits = x.to(tl.int32, bitcast=True)
         key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # ordered as the floats
         # Slots past the prefix take the lowest key, which no probe above ``lo`` counts.
         key = tl.where(candidate, key, -2147483648)
         if HAS_RESERVED:
-            reserved = tl.load(RESERVED + b)
+            reserved = tl.load(RESERVED + b).to(tl.int32)
             sinks = tl.minimum(reserved, SINKS)
             recent_start = prefix - reserved + sinks
             window = candidate & ((slots < sinks) | (slots >= recent_start))
-            in_window = tl.minimum(reserved, prefix).to(tl.int32)
+            in_window = tl.minimum(reserved, prefix)
         else:
             window = slots < 0
             in_window = tl.zeros([], dtype=tl.int32)
@@ -168,7 +208,7 @@ if triton is not None:
         lo = tl.min(tl.where(candidate, key, 2147483647), axis=0).to(tl.int64)
         hi = tl.max(tl.where(window, -2147483648, key), axis=0).to(tl.int64)
         key = tl.where(window, 2147483647, key)
-        c_lo = prefix.to(tl.int32)
+        c_lo = prefix
         c_up = in_window
         # The window alone fills the budget (or the prefix is empty): t = its key.
         window_only = in_window >= k
@@ -208,9 +248,9 @@ if triton is not None:
         take = key >= t
         if c_lo != k:  # more than k keys >= t: c_up of them are > t, then the lowest ties
             tied = key == t
-            tie_rank = tl.cumsum(tied.to(tl.int32), axis=0)
+            tie_rank = _running_count(tied.to(tl.int32), BLOCK, COUNT_ROW)
             take = (key > t) | (tied & (tie_rank <= k - c_up))
-        place = tl.cumsum(take.to(tl.int32), axis=0) - 1
+        place = _running_count(take.to(tl.int32), BLOCK, COUNT_ROW) - 1
         out_row = OUT + row.to(tl.int64) * k_cap
         tl.store(out_row + place, slots.to(tl.int64), mask=take)
         tl.store(out_row + slots, tl.zeros([BLOCK], dtype=tl.int64),
