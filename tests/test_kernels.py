@@ -456,7 +456,8 @@ def assert_same_top_slots(got, scores, prefix, budget, k_cap, sum_heads, reserve
 
 
 @pytest.mark.parametrize("span, scores_like", [(40, "logits"), (300, "weights"), (1000, "ties"),
-                                                (2500, "sink"), (4096, "logits")])
+                                                (2049, "ties"), (2500, "sink"), (4096, "logits"),
+                                                (4600, "weights")])
 @pytest.mark.parametrize("sum_heads", [False, True])
 @pytest.mark.parametrize("window", [False, True])
 def test_topk_slots_takes_the_reference_top_k(span, scores_like, sum_heads, window):
@@ -483,6 +484,40 @@ def test_topk_slots_takes_the_reference_top_k(span, scores_like, sum_heads, wind
     reserved = torch.floor(budget.double() * 0.5).long() if window else None
     got = topk_slots(scores, prefix, budget, k_cap, sum_heads, reserved)
     assert_same_top_slots(got, scores, prefix, budget, k_cap, sum_heads, reserved)
+
+
+def test_topk_slots_splits_a_span_just_past_a_power_of_two():
+    """A row a few slots past a power of two runs as that block plus a small second one,
+    not as a block of twice the work; short and power-of-two spans stay whole."""
+    from vegas_kernels.select_slots import _launch_shape
+
+    assert _launch_shape(8192)[:2] == (8192, 0)
+    assert _launch_shape(8195)[:2] == (8192, 1024)
+    assert _launch_shape(9216)[:2] == (8192, 1024)
+    assert _launch_shape(9217)[:2] == (16384, 0)
+    assert _launch_shape(16400)[:2] == (32768, 0)  # past 8192 + 1024: one block
+    assert _launch_shape(300)[:2] == (512, 0)
+    assert _launch_shape(2049)[:2] == (2048, 256)
+    assert all(w & (w - 1) == 0 for w in (_launch_shape(n)[2] for n in range(2000, 40000, 7)))
+
+
+def test_topk_slots_ranks_ties_across_both_blocks_of_a_split_row():
+    """Ties at the threshold in both blocks of a split row (2048 + a tail): the lowest
+    slots win, counted through the first block into the second."""
+    span = 2100
+    scores = torch.full((1, 2, 1, span), -1.0)
+    scores[..., :10] = 5.0  # above the threshold
+    scores[..., 100:120] = 0.0  # 20 ties in the first block
+    scores[..., 2050:2090] = 0.0  # 40 in the second
+    scores = scores.to(DEVICE)
+    prefix = torch.tensor([span, span], device=DEVICE)
+    budget = torch.tensor([40, 10 + 20 + 40], device=DEVICE)
+    got = topk_slots(scores, prefix, budget, 80)
+    assert got[0, 0, 0, :40].tolist() == list(range(10)) + list(range(100, 120)) + list(
+        range(2050, 2060))
+    assert got[0, 1, 0, :70].tolist() == list(range(10)) + list(range(100, 120)) + list(
+        range(2050, 2090))
+    assert_same_top_slots(got, scores, prefix, budget, 80, False, None)
 
 
 def test_topk_slots_one_launch_serves_new_lengths_and_budgets():

@@ -61,6 +61,10 @@ COUNT_ROW = 128
 # Row lengths the loads' mask is rounded up to: Triton vectorises a load whose mask is
 # constant over 4 slots only when it can prove it, from a bound divisible by 16.
 LOAD_ALIGN = 16
+# Rows a little past one of these powers of two run as two blocks, the second
+# 1 / TAIL_SHARE of the first (see _launch_shape).
+SPLIT_BLOCKS = (2048, 4096, 8192)
+TAIL_SHARE = 8
 
 __all__ = ["RESIDENT_SPAN", "reference_topk_slots", "reserved_indices", "reserved_slots",
            "serves", "topk_slots"]
@@ -123,9 +127,18 @@ def _load_len(scores: torch.Tensor) -> int:
     return padded if fits else s
 
 
-def _launch_shape(span: int) -> tuple[int, int]:
-    block = max(triton.next_power_of_2(span), 16)
-    return block, max(MIN_WARPS, min(MAX_WARPS, block // (32 * SCORES_PER_THREAD)))
+def _launch_shape(span: int) -> tuple[int, int, int]:
+    """-> (block, tail, warps): a row of ``span`` slots as one power-of-two block, or, a
+    little past a power of two P in SPLIT_BLOCKS (by at most P / TAIL_SHARE), as P plus
+    a block of P / TAIL_SHARE: one block would do twice the work there (8192 + 8 slots
+    took 1088 us at SmolLM2's batch 256 as 16384, 863 as 8192 + 1024; further past P the
+    single block ran faster: 810 against 874 us at 12000). Past 8192 both shapes spill
+    registers, and the split one was not timed: the single block stays."""
+    block, tail = max(triton.next_power_of_2(span), 16), 0
+    half = block // 2
+    if half in SPLIT_BLOCKS and span - half <= half // TAIL_SHARE:
+        block, tail = half, half // TAIL_SHARE
+    return block, tail, max(MIN_WARPS, min(MAX_WARPS, block // (32 * SCORES_PER_THREAD)))
 
 
 def topk_slots(scores: torch.Tensor, prefix_len: torch.Tensor, budget: torch.Tensor,
@@ -144,12 +157,13 @@ def topk_slots(scores: torch.Tensor, prefix_len: torch.Tensor, budget: torch.Ten
     has_reserved = reserved is not None
     reserved = reserved.contiguous() if has_reserved else prefix_len  # unused placeholder
     out = torch.empty(l, b, groups, k_cap, dtype=torch.long, device=scores.device)
-    block, warps = _launch_shape(s)
+    block, tail, warps = _launch_shape(s)
     _topk_slots_kernel[(l * b * groups,)](
         scores, prefix_len, budget, reserved, out,
         scores.stride(0), scores.stride(1), scores.stride(2), b, groups, heads, k_cap,
         _load_len(scores), HAS_RESERVED=has_reserved, SINKS=WINDOW_SINKS,
-        INTERPOLATED_PROBES=INTERPOLATED_PROBES, BLOCK=block, COUNT_ROW=min(block, COUNT_ROW),
+        INTERPOLATED_PROBES=INTERPOLATED_PROBES, BLOCK=block, TAIL=tail,
+        COUNT_ROW=min(block, COUNT_ROW), TAIL_COUNT_ROW=max(min(tail, COUNT_ROW), 1),
         num_warps=warps)
     return out
 
@@ -165,6 +179,53 @@ if triton is not None:
         before = tl.cumsum(totals, axis=0) - totals
         return tl.reshape(tl.cumsum(rows, axis=1) + before[:, None], [BLOCK])
 
+    @triton.jit
+    def _row_keys(base, s_h, heads, slots, load_len, prefix, sinks, recent_start,
+                  HAS_RESERVED: tl.constexpr):
+        """The keys of a block of a row's ``slots`` -> (keys, the lowest candidate key, the
+        highest key outside the window). A key is the heads' summed score read as an
+        int32 that orders as the floats do; slots past the prefix take the lowest key
+        (which no probe above the search's low end counts), the window's the highest."""
+        # Masked on load_len, not the prefix, so that the loads vectorise.
+        loadable = slots < load_len
+        x = tl.zeros(slots.shape, dtype=tl.float32)
+        for h in range(heads):
+            x += tl.load(base + h * s_h + slots, mask=loadable, other=0.0)
+        bits = x.to(tl.int32, bitcast=True)
+        key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+        candidate = slots < prefix
+        key = tl.where(candidate, key, -2147483648)
+        if HAS_RESERVED:
+            window = candidate & ((slots < sinks) | (slots >= recent_start))
+        else:
+            window = slots < 0
+        lowest = tl.min(tl.where(candidate, key, 2147483647), axis=0)
+        highest = tl.max(tl.where(window, -2147483648, key), axis=0)
+        return tl.where(window, 2147483647, key), lowest, highest
+
+    @triton.jit
+    def _count_at_least(key, t):
+        return tl.sum((key >= t).to(tl.int32), axis=0)
+
+    @triton.jit
+    def _write_slots(out_row, slots, key, t, rank_ties, ties_wanted, ties_before, placed,
+                     k, k_cap, BLOCK: tl.constexpr, ROW: tl.constexpr):
+        """Store a block's chosen slots at their places in the list (``placed`` chosen
+        before it): keys above t, and keys at t whose rank among the row's ties (from
+        ``ties_before``) is at most ``ties_wanted`` (all of them unless ``rank_ties``);
+        zeros from the budget to the list's capacity. -> (placed, ties) after it."""
+        tied = key == t
+        take = key >= t
+        if rank_ties:
+            tie_rank = ties_before + _running_count(tied.to(tl.int32), BLOCK, ROW)
+            take = (key > t) | (tied & (tie_rank <= ties_wanted))
+        place = placed + _running_count(take.to(tl.int32), BLOCK, ROW) - 1
+        tl.store(out_row + place, slots.to(tl.int64), mask=take)
+        tl.store(out_row + slots, tl.zeros(slots.shape, dtype=tl.int64),
+                 mask=(slots >= k) & (slots < k_cap))
+        return (placed + tl.sum(take.to(tl.int32), axis=0),
+                ties_before + tl.sum(tied.to(tl.int32), axis=0))
+
     # The list capacity follows the longest prefix, so it changes between iterations:
     # specialised (divisible by 16, or 1), it would compile new variants mid-decode.
     @triton.jit(do_not_specialize=["k_cap"])
@@ -172,42 +233,40 @@ if triton is not None:
                            s_l, s_b, s_h, batch, groups, heads, k_cap, load_len,
                            HAS_RESERVED: tl.constexpr, SINKS: tl.constexpr,
                            INTERPOLATED_PROBES: tl.constexpr, BLOCK: tl.constexpr,
-                           COUNT_ROW: tl.constexpr):
+                           TAIL: tl.constexpr, COUNT_ROW: tl.constexpr,
+                           TAIL_COUNT_ROW: tl.constexpr):
+        # A row is slots [0, BLOCK) and, when TAIL > 0, [BLOCK, BLOCK + TAIL): two
+        # power-of-two blocks rather than one of twice BLOCK for a span just past it.
         row = tl.program_id(0)  # (layer, sequence, group), group fastest
         g = row % groups
         b = (row // groups) % batch
         layer = row // (groups * batch)
         prefix = tl.load(PREFIX + b).to(tl.int32)
         k = tl.load(BUDGET + b).to(tl.int32)
-        slots = tl.arange(0, BLOCK)
-        candidate = slots < prefix
-
-        base = SCORES + layer.to(tl.int64) * s_l + b.to(tl.int64) * s_b + (g * heads) * s_h
-        # Masked on load_len, not the prefix, so that the loads vectorise; the slots past
-        # the prefix are ruled out by their key below.
-        loadable = slots < load_len
-        x = tl.zeros([BLOCK], dtype=tl.float32)
-        for h in range(heads):
-            x += tl.load(base + h * s_h + slots, mask=loadable, other=0.0)
-        bits = x.to(tl.int32, bitcast=True)
-        key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # ordered as the floats
-        # Slots past the prefix take the lowest key, which no probe above ``lo`` counts.
-        key = tl.where(candidate, key, -2147483648)
         if HAS_RESERVED:
             reserved = tl.load(RESERVED + b).to(tl.int32)
             sinks = tl.minimum(reserved, SINKS)
             recent_start = prefix - reserved + sinks
-            window = candidate & ((slots < sinks) | (slots >= recent_start))
             in_window = tl.minimum(reserved, prefix)
         else:
-            window = slots < 0
-            in_window = tl.zeros([], dtype=tl.int32)
+            sinks = tl.zeros([], dtype=tl.int32)
+            recent_start = sinks
+            in_window = sinks
+        base = SCORES + layer.to(tl.int64) * s_l + b.to(tl.int64) * s_b + (g * heads) * s_h
+        slots = tl.arange(0, BLOCK)
+        key, lo, hi = _row_keys(base, s_h, heads, slots, load_len, prefix, sinks,
+                                recent_start, HAS_RESERVED)
+        if TAIL > 0:
+            tail_slots = BLOCK + tl.arange(0, TAIL)
+            tail_key, tail_lo, tail_hi = _row_keys(base, s_h, heads, tail_slots, load_len,
+                                                   prefix, sinks, recent_start, HAS_RESERVED)
+            lo = tl.minimum(lo, tail_lo)
+            hi = tl.maximum(hi, tail_hi)
         # The search runs between the lowest candidate key and the highest one outside
-        # the window (whose slots then take the highest key): count(key >= lo) =
-        # c_lo = prefix >= k, count(key > hi) = c_up = in_window < k.
-        lo = tl.min(tl.where(candidate, key, 2147483647), axis=0).to(tl.int64)
-        hi = tl.max(tl.where(window, -2147483648, key), axis=0).to(tl.int64)
-        key = tl.where(window, 2147483647, key)
+        # the window (whose slots hold the highest key): count(key >= lo) = c_lo =
+        # prefix >= k, count(key > hi) = c_up = in_window < k.
+        lo = lo.to(tl.int64)
+        hi = hi.to(tl.int64)
         c_lo = prefix
         c_up = in_window
         # The window alone fills the budget (or the prefix is empty): t = its key.
@@ -229,7 +288,9 @@ if triton is not None:
             step = (f_lo / (f_lo - f_hi)).to(tl.float64) * span.to(tl.float64)
             guess = tl.minimum(tl.maximum(lo + step.to(tl.int64), lo + 1), hi)
             mid = tl.where(probes < INTERPOLATED_PROBES, guess, lo + (hi - lo + 1) // 2)
-            above = tl.sum((key >= mid.to(tl.int32)).to(tl.int32), axis=0)
+            above = _count_at_least(key, mid.to(tl.int32))
+            if TAIL > 0:
+                above += _count_at_least(tail_key, mid.to(tl.int32))
             more = above > k
             fewer = above < k
             # Illinois: an end kept twice in a row has its count's weight halved.
@@ -245,13 +306,11 @@ if triton is not None:
             probes += 1
         t = lo.to(tl.int32)
 
-        take = key >= t
-        if c_lo != k:  # more than k keys >= t: c_up of them are > t, then the lowest ties
-            tied = key == t
-            tie_rank = _running_count(tied.to(tl.int32), BLOCK, COUNT_ROW)
-            take = (key > t) | (tied & (tie_rank <= k - c_up))
-        place = _running_count(take.to(tl.int32), BLOCK, COUNT_ROW) - 1
+        # More than k keys >= t: c_up of them are > t, then the lowest-slot ties.
+        rank_ties = c_lo != k
         out_row = OUT + row.to(tl.int64) * k_cap
-        tl.store(out_row + place, slots.to(tl.int64), mask=take)
-        tl.store(out_row + slots, tl.zeros([BLOCK], dtype=tl.int64),
-                 mask=(slots >= k) & (slots < k_cap))
+        placed, ties = _write_slots(out_row, slots, key, t, rank_ties, k - c_up, 0, 0, k,
+                                    k_cap, BLOCK, COUNT_ROW)
+        if TAIL > 0:
+            _write_slots(out_row, tail_slots, tail_key, t, rank_ties, k - c_up, ties, placed,
+                         k, k_cap, TAIL, TAIL_COUNT_ROW)
