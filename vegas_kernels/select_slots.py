@@ -27,7 +27,9 @@ keep both low (docs/results/selection-smollm2-h200.md, stop 29): the row's loads
 masked on a length divisible by 16 (``_load_len``), so they vectorise and need a quarter
 of the address registers of per-slot masked loads; the list's places come from a
 running count in two levels (within rows of COUNT_ROW slots, then across them) rather
-than one scan of the whole row; and the lengths are compared as 32-bit integers.
+than one scan of the whole row; and the lengths are compared as 32-bit integers. A row a
+little past 2048, 4096 or 8192 slots runs as that block plus one an eighth its size, not
+as one block of twice the work (``_launch_shape``).
 
 ``reference_topk_slots`` is the PyTorch ground truth (and that fallback).
 """
