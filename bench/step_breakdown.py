@@ -7,7 +7,11 @@ against the weight bytes they read, the attention kernels' against the K+V bytes
 fractions of the copy bandwidth measured in the same run. The CUDA-graph replay of the
 same step, minus the kernels' summed time, is the time between kernels in the graph.
 With ``--draft-sparsity`` the step is a draft: each layer and sequence attends to a random
-selection of the budget's slots (``draft_budget``) plus a tail of DRAFT_TAIL slots.
+selection of the budget's slots (``draft_budget``) plus a tail of DRAFT_TAIL slots. With
+``--verify-rows T`` it is a verify pass of T rows (logits of every row), and with
+``--scores`` that pass also sums Vegas's fused logit scores (Collect-2-Query rows, every
+layer, into one static buffer, as a session does): run it with and without to see what
+the scores cost, kernel by kernel.
 
     python bench/step_breakdown.py --out docs/results/step-breakdown-h200.md
 """
@@ -25,8 +29,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.acceptance import write_atomic  # noqa: E402
-from bench.steps import (copy_bandwidth, kv_bytes_per_token, step_seconds,  # noqa: E402
-                         weight_bytes_read)
+from bench.steps import (copy_bandwidth, kv_bytes_per_token, step_positions,  # noqa: E402
+                         step_seconds, weight_bytes_read)
 
 PROFILED_STEPS = 5
 DRAFT_TAIL = 4  # slots written since the selection, mid-iteration at gamma 6
@@ -70,10 +74,11 @@ def kernel_times(model, cache, tokens, meta) -> dict[str, tuple[float, int]]:
     from torch.profiler import ProfilerActivity, profile
 
     net = model.net
-    positions = cache.lengths[:, None].clone()
+    positions = step_positions(cache, tokens.shape[1])
 
     def step():
-        return net.logits(net(tokens, positions, cache, meta(positions))[:, -1])
+        hidden = net(tokens, positions, cache, meta(positions))
+        return net.logits(hidden if tokens.shape[1] > 1 else hidden[:, -1])
 
     with torch.inference_mode():
         for _ in range(3):
@@ -100,24 +105,45 @@ def main() -> None:
     p.add_argument("--draft-sparsity", type=float, default=None,
                    help="profile a draft step at this sparsity instead of a decode step")
     p.add_argument("--min-tokens", type=int, default=256, help="the draft budget's minimum")
+    p.add_argument("--verify-rows", type=int, default=None,
+                   help="profile a verify pass of this many rows instead of a decode step")
+    p.add_argument("--scores", action="store_true",
+                   help="with --verify-rows: the pass also sums fused logit scores")
     p.add_argument("--out", default="docs/results/step-breakdown-h200.md")
     args = p.parse_args()
+    if args.verify_rows is not None and args.draft_sparsity is not None:
+        p.error("--verify-rows and --draft-sparsity profile different steps: give one")
+    if args.verify_rows is not None and args.verify_rows < 1:
+        p.error("--verify-rows must be at least 1")
+    if args.scores and args.verify_rows is None:
+        p.error("--scores needs --verify-rows: only a verify pass sums scores")
     if not torch.cuda.is_available():
         p.error("this benchmark needs a CUDA GPU")
     import triton
 
     from vegas_core import load_model
     from vegas_core.attention import AttentionMeta
+    from vegas_core.scores import ScoreCollector
+    from vegas_core.selection import collected_rows
     from vegas_core.spec_config import draft_budget
+    from vegas_kernels.select_slots import LOAD_ALIGN
 
     bandwidth = copy_bandwidth()
     model = load_model(f"dummy:{args.model}", device="cuda", dtype="bfloat16")
     wbytes = weight_bytes_read(model.net)
     per_token = kv_bytes_per_token(model.config)
+    if args.draft_sparsity is not None:
+        title = (f"# A draft step (sparsity {args.draft_sparsity}, min tokens "
+                 f"{args.min_tokens}, a tail of {DRAFT_TAIL})")
+    elif args.verify_rows is not None:
+        title = (f"# A verify pass of {args.verify_rows} rows"
+                 + (" with fused logit scores (Collect-2-Query rows, every layer)"
+                    if args.scores else ", no scores"))
+    else:
+        title = "# A vanilla decode step"
+    rows = args.verify_rows or 1
     lines = [
-        ("# A vanilla decode step" if args.draft_sparsity is None else
-         f"# A draft step (sparsity {args.draft_sparsity}, min tokens {args.min_tokens}, a "
-         f"tail of {DRAFT_TAIL})") + f", kernel by kernel ({args.model}, bf16, random weights)",
+        title + f", kernel by kernel ({args.model}, bf16, random weights)",
         "",
         f"- GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}; triton {triton.__version__}",
         f"- Command: `python {shlex.join(sys.argv)}`",
@@ -130,16 +156,28 @@ def main() -> None:
     out = Path(args.out)
     for ctx in args.ctx:
         for b in args.batch:
-            cache = model.net.new_cache(b, ctx + 8)
+            cache = model.net.new_cache(b, ctx + rows + 8)
             gen = torch.Generator(device="cuda").manual_seed(ctx + b)
             for layer in range(model.config.num_layers):
                 cache.k[layer].normal_(generator=gen)
                 cache.v[layer].normal_(generator=gen)
             cache.lengths.fill_(ctx)
-            tokens = torch.randint(0, model.config.vocab_size, (b, 1), device="cuda",
+            tokens = torch.randint(0, model.config.vocab_size, (b, rows), device="cuda",
                                    generator=gen)
             window = model.config.window
-            if args.draft_sparsity is None:
+            if args.verify_rows is not None:
+                keys = ctx  # the floor of the vanilla step the target compares it with
+                collector = None
+                if args.scores:
+                    layers, kv_heads = model.config.num_layers, model.config.num_kv_heads
+                    collector = ScoreCollector(
+                        "logit", fused_rows=collected_rows("two", rows, cache.lengths),
+                        scores_out=torch.empty(layers, b, kv_heads,
+                                               -(-cache.max_len // LOAD_ALIGN) * LOAD_ALIGN,
+                                               device="cuda"))  # rows as a session pads them
+                meta = lambda pos: AttentionMeta.verify(  # noqa: E731
+                    pos, cache.max_len, window, collector)
+            elif args.draft_sparsity is None:
                 keys = ctx
                 meta = lambda pos: AttentionMeta.full(pos, cache.max_len, window)  # noqa: E731
             else:

@@ -134,18 +134,25 @@ def kv_bytes_per_token(config, dtype_bytes: int = 2) -> int:
     return config.num_layers * 2 * config.num_kv_heads * config.head_dim * dtype_bytes
 
 
+def step_positions(cache, rows: int) -> torch.Tensor:
+    """[B, rows] positions of a step's tokens: the cache's lengths onwards."""
+    return cache.lengths[:, None] + torch.arange(rows, device=cache.lengths.device)
+
+
 def step_seconds(model, cache, tokens: torch.Tensor, meta=None) -> float:
     """Median seconds of a captured vanilla step of ``tokens`` [B, 1] at the cache's
-    lengths; ``meta(positions)``: another step's attention (e.g. a draft's)."""
+    lengths; ``meta(positions)``: another step's attention (e.g. a draft's); tokens
+    [B, T] with a verify ``meta``: a verify pass (logits of every row)."""
     from vegas_core.attention import AttentionMeta
     from vegas_core.graphs import StaticForward, new_pool
 
     dev = model.device
     if meta is None:
         meta = lambda pos: AttentionMeta.full(pos, cache.max_len, model.config.window)  # noqa: E731
-    forward = StaticForward(model.net, cache, cache.batch_size, 1, meta,
-                            all_rows=False, device=dev, pool=new_pool(dev))
-    positions = cache.lengths[:, None].clone()
+    rows = tokens.shape[1]
+    forward = StaticForward(model.net, cache, cache.batch_size, rows, meta,
+                            all_rows=rows > 1, device=dev, pool=new_pool(dev))
+    positions = step_positions(cache, rows)
     times = []
     with torch.inference_mode():
         for i in range(STEP_REPEATS + WARMUP_ITERATIONS):
