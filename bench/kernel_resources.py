@@ -100,8 +100,10 @@ def resource_usage(cubin: bytes) -> dict[str, int]:
 
 def load_module(path: str | None = None):
     """A fresh copy of ``verify_attention`` (this checkout's, or the file at ``path``),
-    its kernels compiled ones even where TRITON_INTERPRET is set (as in the tests): an
-    interpreted kernel would run on the CPU instead of compiling."""
+    its kernels compiled ones even where TRITON_INTERPRET is set: an interpreted kernel
+    would run on the CPU instead of compiling. Triton's own library functions (tl.zeros)
+    follow the setting of the moment Triton was imported, so compile in a process that
+    imported it without TRITON_INTERPRET (the tests do, in a subprocess)."""
     path = path or str(ROOT / "vegas_kernels" / "verify_attention.py")
     previous = triton.knobs.runtime.interpret
     triton.knobs.runtime.interpret = False
@@ -124,9 +126,13 @@ def compile_split_kernel(module, shape, batch: int, rows: int, ctx: int, fused: 
     positions = (ctx - rows + torch.arange(rows)).expand(batch, rows).contiguous()
     weights = torch.zeros(batch, rows) if fused else None
     block_n = module.tile_slots(d)
-    # splits_for's rule, with the target's SM count rather than a CUDA device's.
-    wanted = module.RESIDENT_PER_SM * sms // (batch * h_kv)
-    splits = max(1, min(wanted, -(-ctx // block_n)))
+    # splits_for's rule, with the target's SM count rather than a CUDA device's (a module
+    # from before split_count: its one-wave rule).
+    tiles = -(-ctx // block_n)
+    if hasattr(module, "split_count"):
+        splits = module.split_count(batch * h_kv, tiles, sms)
+    else:
+        splits = max(1, min(module.RESIDENT_PER_SM * sms // (batch * h_kv), tiles))
     captured = []
 
     def keep(*, fn, compile, **_):

@@ -49,6 +49,24 @@ def test_an_output_name_with_dots_keeps_them():
     assert with_ext(out, ".json").name == "end-to-end-budget-0.02.json"
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--scores"], "--scores needs --verify-rows"),
+    (["--verify-rows", "7", "--draft-sparsity", "0.05"], "give one"),
+    (["--verify-rows", "0"], "at least 1"),
+])
+def test_step_breakdown_refuses_options_that_name_no_single_step(args, message):
+    """Checked before it looks for a GPU: a one-line usage error and exit status 2."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "bench" / "step_breakdown.py"
+    done = subprocess.run([sys.executable, str(script), *args], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2
+    assert message in done.stderr.strip().splitlines()[-1]
+
+
 def test_vegas_is_compared_with_streaming_at_its_own_gamma_and_at_streamings_best():
     """With several gammas, a gamma that suits vegas must not hide a better streaming
     gamma: the report gives both ratios, per batch."""
@@ -100,22 +118,45 @@ def test_kernel_resources_are_read_from_cuobjdumps_report():
         parse_resource_usage(report.replace("STACK:8 ", ""))
 
 
-def test_the_split_kernel_compiles_for_an_h200_on_a_machine_without_one():
+SPLIT_KERNEL_COMPILE = """
+import json
+import triton
+from triton.backends.compiler import GPUTarget
+from bench.kernel_resources import H200_SMS, compile_split_kernel, load_module, resource_usage
+
+driver, hook = triton.runtime.driver._active, triton.knobs.runtime.jit_cache_hook
+kernel, constexprs, splits = compile_split_kernel(
+    load_module(), (9, 3, 64), batch=256, rows=7, ctx=8192, fused=True,
+    target=GPUTarget("cuda", 90, 32), sms=H200_SMS)
+print(json.dumps({
+    "splits": splits, "usage": resource_usage(kernel.asm["cubin"]),
+    "constexprs": {k: constexprs[k] for k in ("COLLECT", "BLOCK_M", "BLOCK_N", "T", "G")},
+    "restored": (triton.runtime.driver._active, triton.knobs.runtime.jit_cache_hook)
+                == (driver, hook)}))
+"""
+
+
+def test_the_split_kernel_compiles_for_an_h200_on_a_machine_without_one(tmp_path):
     """The launch Triton would specialise on the GPU (a split count of 1, fused scores),
-    compiled for sm_90; the driver and the pre-compile hook are given back afterwards."""
+    compiled for sm_90 from an empty kernel cache; the driver and the pre-compile hook are
+    given back afterwards. In a process of its own: where TRITON_INTERPRET was set when
+    Triton was imported (as in these tests), Triton's own library functions (tl.zeros)
+    stay interpreted and no kernel that calls them compiles."""
     pytest.importorskip("triton")
-    import triton
-    from triton.backends.compiler import GPUTarget
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
 
-    from bench.kernel_resources import H200_SMS, compile_split_kernel, load_module, resource_usage
-
-    module = load_module()
-    driver, hook = triton.runtime.driver._active, triton.knobs.runtime.jit_cache_hook
-    kernel, constexprs, splits = compile_split_kernel(
-        module, (9, 3, 64), batch=256, rows=7, ctx=8192, fused=True,
-        target=GPUTarget("cuda", 90, 32), sms=H200_SMS)
-    assert splits == 1 and constexprs["COLLECT"] and constexprs["BLOCK_M"] == 32
-    assert (constexprs["BLOCK_N"], constexprs["T"], constexprs["G"]) == (128, 7, 3)
-    usage = resource_usage(kernel.asm["cubin"])
-    assert 0 < usage["REG"] <= 255 and usage["STACK"] >= 0
-    assert (triton.runtime.driver._active, triton.knobs.runtime.jit_cache_hook) == (driver, hook)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    done = subprocess.run([sys.executable, "-c", SPLIT_KERNEL_COMPILE], env=env,
+                          cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["splits"] == 1 and result["restored"]
+    assert result["constexprs"] == {"COLLECT": True, "BLOCK_M": 32, "BLOCK_N": 128, "T": 7,
+                                    "G": 3}
+    assert 0 < result["usage"]["REG"] <= 255 and result["usage"]["STACK"] >= 0
