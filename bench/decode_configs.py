@@ -1,9 +1,10 @@
 """Which launch configuration brings single-row decode attention nearest its floor?
 
-Sweeps the split kernel's launch knobs (RESIDENT_PER_SM, the programs per SM of the one
-wave the split count fills; tile width BLOCK_N; warps; pipeline stages) for one layer of a real shape, timing decode (1
-row) and verify (``--verify-rows``) attention against the K+V bytes / copy-bandwidth
-floor of the same run, and the split-merge kernel alone. Each configuration is first
+Sweeps the split kernel's launch knobs (RESIDENT_PER_SM, the programs per SM of a wave,
+which the split count fills; tile width BLOCK_N; warps; pipeline stages; ``--splits``) for
+one layer of a real shape, timing decode (1 row) and verify (``--verify-rows``) attention,
+plain and with Collect-2-Query fused logit scores, against the K+V bytes /
+copy-bandwidth floor of the same run, and the split-merge kernel alone. Each configuration is first
 checked against the float32 reference. Module constants are patched for the sweep only;
 the winner is what ``vegas_kernels/verify_attention.py`` should ship.
 
@@ -98,8 +99,9 @@ def main() -> None:
         "replay); ratios to the K+V floor of the same run.",
         "",
         f"| ctx | batch | resident/SM | BLOCK_N | warps | stages | splits | decode | "
-        f"/floor | verify-{args.verify_rows} | verify/decode | merge alone | max abs err |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        f"/floor | verify-{args.verify_rows} | +fused scores | verify/decode | merge alone | "
+        "max abs err |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
 
     def flush() -> None:
@@ -116,6 +118,9 @@ def main() -> None:
         q1 = qv[:, -1:].contiguous()
         posv = torch.arange(ctx - rows, ctx, device="cuda").expand(batch, -1).contiguous()
         pos1 = posv[:, -1:].contiguous()
+        # Collect-2-Query: the first and last window rows' fused logit scores.
+        weights = torch.zeros(batch, rows, device="cuda")
+        weights[:, [0, -1]] = 1.0
         floor_us = 2 * k.numel() * k.element_size() / bandwidth * 1e6
         best = None
         for resident, bn, warps, stages, fixed in itertools.product(
@@ -131,27 +136,30 @@ def main() -> None:
                                                                    splits=splits))
                     verify = median_us(lambda: va.verify_attention(qv, k, v, posv, ctx,
                                                                    splits=splits))
+                    fused = median_us(lambda: va.verify_attention(qv, k, v, posv, ctx, weights,
+                                                                  splits=splits))
                     merge = merge_only_us(batch, kv_heads, heads, dim, 1, splits)
                 except Exception as exc:  # e.g. out of shared memory for a wide tile
-                    lines.append(f"{row} {splits} | failed: {type(exc).__name__} | | | | | |")
+                    lines.append(f"{row} {splits} | failed: {type(exc).__name__} | | | | | | |")
                     print(lines[-1], flush=True)
                     continue
             lines.append(f"{row} {splits} | {decode:.1f} | {decode / floor_us:.2f} | "
-                         f"{verify:.1f} | {verify / decode:.2f} | {merge:.1f} | {err:.1e} |")
+                         f"{verify:.1f} | {fused:.1f} ({fused / verify - 1:+.0%}) | "
+                         f"{verify / decode:.2f} | {merge:.1f} | {err:.1e} |")
             print(lines[-1], flush=True)
             flush()
             if best is None or decode < best[0]:
                 best = (decode, resident, bn, warps, stages, splits)
         if best is not None:
             lines.append(f"| {ctx} | {batch} | **best** {best[1:]} | | | | | "
-                         f"**{best[0]:.1f}** | **{best[0] / floor_us:.2f}** | | | | |")
+                         f"**{best[0]:.1f}** | **{best[0] / floor_us:.2f}** | | | | | |")
         splits = va.splits_for(torch.device("cuda"), batch * kv_heads, ctx,
                                va.tile_slots(dim))  # shipped
         merges = ", ".join(
             f"{lanes} lanes {merge_only_us(batch, kv_heads, heads, dim, 1, splits, lanes):.1f}"
             for lanes in args.merge_lanes)
         lines.append(f"| {ctx} | {batch} | merge alone at {splits} splits, by lane cap: {merges} "
-                     "| | | | | | | | | | |")
+                     "| | | | | | | | | | | |")
         flush()
         k = v = qv = q1 = None  # free the cache before the next shape
         torch.cuda.empty_cache()

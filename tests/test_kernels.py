@@ -214,6 +214,39 @@ def test_reference_sinks_are_a_slot_with_no_value():
     torch.testing.assert_close(lse, logits.logsumexp(-1).permute(0, 2, 1))
 
 
+H200_SMS = 132
+
+
+def test_split_count_fills_the_last_wave_of_programs():
+    """On the H200 a wave is 264 programs. SmolLM2's 3 KV heads leave one split's last
+    wave 73% full at batch 64 and 128: 4 and 2 splits fill 97%. Shapes that filled their
+    wave keep the one-wave count, and the sparse kernel's rule is the one-wave count."""
+    count = verify_module.split_count
+    assert count(64 * 3, 64, H200_SMS) == 4
+    assert count(128 * 3, 64, H200_SMS) == 2
+    assert count(256 * 3, 64, H200_SMS) == 1
+    assert count(8 * 8, 512, H200_SMS) == 4  # Qwen3-8B, batch 8: as before
+    assert count(1 * 8, 512, H200_SMS) == 33
+    assert count(64 * 3, 64, H200_SMS, fill_last_wave=False) == 1
+    assert count(64 * 3, 3, H200_SMS) == 3  # never more splits than tiles
+    wave = verify_module.RESIDENT_PER_SM * H200_SMS
+
+    def fill(programs, splits):
+        return programs * splits / (-(-programs * splits // wave) * wave)
+
+    for programs in range(1, 3 * wave):
+        splits = count(programs, 10**6, H200_SMS)
+        one_wave = max(1, wave // programs)
+        candidates = range(one_wave, max(one_wave, verify_module.MAX_SPLIT_WAVES * wave
+                                         // programs) + 1)
+        assert splits in candidates, programs
+        if fill(programs, splits) < verify_module.MIN_LAST_WAVE_FILL:
+            assert fill(programs, splits) == max(fill(programs, s) for s in candidates)
+        else:  # the fewest splits that fill it
+            assert all(fill(programs, s) < verify_module.MIN_LAST_WAVE_FILL
+                       for s in range(one_wave, splits)), programs
+
+
 @pytest.mark.parametrize("max_lanes, tile", [
     (128, 4096),  # the shipped budget: one lane per split, whole head dim, all rows
     (4, 64),  # three lane steps, the head dim in slices of 16, one row per program

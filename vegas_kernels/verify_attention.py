@@ -75,6 +75,13 @@ MIN_HEAD_DIM = 16  # and a reduction of at least 16
 # Split-kernel programs one SM runs at once (by shared memory, at BLOCK_N 64, head dim
 # 128): the split count fills whole waves of them (docs/results/decode-configs-h200.md).
 RESIDENT_PER_SM = 2
+# A last wave of programs filled below this share leaves SMs idle while it runs: the split
+# count grows until the last wave is filled this well, within MAX_SPLIT_WAVES waves. At
+# SmolLM2's 3 KV heads one split left it 73% full at batch 64 and 128; 4 and 2 splits
+# fill 97%, and a 7-row verify with fused scores ran 16-21% faster (H200,
+# docs/results/verify-splits-smollm2-h200.md).
+MIN_LAST_WAVE_FILL = 0.9
+MAX_SPLIT_WAVES = 4
 SPLIT_WARPS = 4  # launch options of the split kernels (Triton's defaults)
 SPLIT_STAGES = 3
 # Head dims above this (Gemma3's 256) pipeline two K/V tiles, not three: three 64 x 256
@@ -103,18 +110,39 @@ def supported(q: torch.Tensor) -> bool:
     return d >= MIN_HEAD_DIM and d & (d - 1) == 0
 
 
+def split_count(programs_per_split: int, tiles: int, sms: int, *,
+                fill_last_wave: bool = True) -> int:
+    """Splits of the key range per (sequence, KV head), for ``programs_per_split`` (B x H_kv)
+    programs per split, ``tiles`` key tiles under the static bound and ``sms`` SMs.
+
+    At least as many as make one whole wave of RESIDENT_PER_SM programs per SM; with
+    ``fill_last_wave``, more while the programs would fill their last wave less than
+    MIN_LAST_WAVE_FILL and stay within MAX_SPLIT_WAVES waves (the best-filled count if
+    none gets there). Never more than the tiles."""
+    wave = RESIDENT_PER_SM * sms
+    programs = max(programs_per_split, 1)
+    one_wave = max(1, wave // programs)
+    best = one_wave
+    if fill_last_wave:
+        best_fill = 0.0
+        for splits in range(one_wave, max(one_wave, MAX_SPLIT_WAVES * wave // programs) + 1):
+            launched = programs * splits
+            fill = launched / (math.ceil(launched / wave) * wave)
+            if fill > best_fill:
+                best, best_fill = splits, fill
+            if fill >= MIN_LAST_WAVE_FILL:
+                break
+    return max(1, min(best, tiles))
+
+
 def splits_for(device: torch.device, programs_per_split: int, bound: int,
-               block_n: int = BLOCK_N) -> int:
-    """Splits of the key range per (sequence, KV head): as many as make one whole wave of
-    RESIDENT_PER_SM programs per SM (a partial second wave leaves SMs idle while the
-    last programs run), but no more than the ``block_n``-slot tiles under the static
-    key bound."""
-    if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-    else:
-        sms = 1
-    wanted = RESIDENT_PER_SM * sms // max(programs_per_split, 1)
-    return max(1, min(wanted, math.ceil(bound / block_n)))
+               block_n: int = BLOCK_N, *, fill_last_wave: bool = True) -> int:
+    """``split_count`` on ``device``'s SMs (one on a CPU) for a key bound of ``bound``
+    slots in ``block_n``-slot tiles."""
+    sms = (torch.cuda.get_device_properties(device).multi_processor_count
+           if device.type == "cuda" else 1)
+    return split_count(programs_per_split, math.ceil(bound / block_n), sms,
+                       fill_last_wave=fill_last_wave)
 
 
 def reference_verify_attention(q, k, v, positions, kv_len, row_weights=None, window=None,
