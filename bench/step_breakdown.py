@@ -126,7 +126,7 @@ def main() -> None:
     from vegas_core.scores import ScoreCollector
     from vegas_core.selection import collected_rows
     from vegas_core.spec_config import draft_budget
-    from vegas_kernels.select_slots import LOAD_ALIGN
+    from vegas_kernels.select_slots import aligned_slots
 
     bandwidth = copy_bandwidth()
     model = load_model(f"dummy:{args.model}", device="cuda", dtype="bfloat16")
@@ -172,9 +172,8 @@ def main() -> None:
                     layers, kv_heads = model.config.num_layers, model.config.num_kv_heads
                     collector = ScoreCollector(
                         "logit", fused_rows=collected_rows("two", rows, cache.lengths),
-                        scores_out=torch.empty(layers, b, kv_heads,
-                                               -(-cache.max_len // LOAD_ALIGN) * LOAD_ALIGN,
-                                               device="cuda"))  # rows as a session pads them
+                        scores_out=torch.empty(layers, b, kv_heads,  # as a session pads
+                                               aligned_slots(cache.max_len), device="cuda"))
                 meta = lambda pos: AttentionMeta.verify(  # noqa: E731
                     pos, cache.max_len, window, collector)
             elif args.draft_sparsity is None:

@@ -23,7 +23,7 @@ import torch
 
 from vegas_core.attention import AttentionMeta, SparseSelection
 from vegas_core.scores import ScoreCollector
-from vegas_kernels.select_slots import LOAD_ALIGN
+from vegas_kernels.select_slots import aligned_slots
 
 # VEGAS_CUDA_GRAPHS: "auto" (capture on CUDA), "0" (eager steps with host-sized
 # shapes, for debugging and comparison), or "static" (the static-buffer steps, run
@@ -246,7 +246,7 @@ class SpeculativeForwards:
         write it; its rows (the last dim) rounded up to a multiple of LOAD_ALIGN slots,
         so that every row starts aligned and the selection kernel's loads vectorise."""
         *lead, slots = shape
-        padded = (*lead, -(-slots // LOAD_ALIGN) * LOAD_ALIGN)
+        padded = (*lead, aligned_slots(slots))
         make = lambda: torch.empty(padded, dtype=torch.float32, device=self.device)  # noqa: E731
         return self.space.get(("scores",), make) if self.static else make()
 

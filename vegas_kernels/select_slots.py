@@ -68,7 +68,7 @@ LOAD_ALIGN = 16
 SPLIT_BLOCKS = (2048, 4096, 8192)
 TAIL_SHARE = 8
 
-__all__ = ["RESIDENT_SPAN", "reference_topk_slots", "reserved_indices", "reserved_slots",
+__all__ = ["RESIDENT_SPAN", "aligned_slots", "reference_topk_slots", "reserved_indices", "reserved_slots",
            "serves", "topk_slots"]
 
 
@@ -118,11 +118,17 @@ def serves(scores: torch.Tensor) -> bool:
     return triton is not None and scores.shape[-1] <= RESIDENT_SPAN
 
 
+def aligned_slots(slots: int) -> int:
+    """A score row of ``slots`` slots rounded up to a multiple of LOAD_ALIGN: the row
+    length of a score buffer whose rows all start aligned (vectorised loads)."""
+    return -(-slots // LOAD_ALIGN) * LOAD_ALIGN
+
+
 def _load_len(scores: torch.Tensor) -> int:
     """The slots each row's loads cover: its length rounded up to LOAD_ALIGN where the
     storage holds that many more (the padding is read, never selected), else the length."""
     s = scores.shape[-1]
-    padded = -(-s // LOAD_ALIGN) * LOAD_ALIGN
+    padded = aligned_slots(s)
     last_row = scores.storage_offset() + sum((n - 1) * st for n, st in
                                              zip(scores.shape[:-1], scores.stride()[:-1]))
     fits = last_row + padded <= scores.untyped_storage().nbytes() // scores.element_size()
