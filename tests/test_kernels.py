@@ -220,14 +220,13 @@ H200_SMS = 132
 def test_split_count_fills_the_last_wave_of_programs():
     """On the H200 a wave is 264 programs. SmolLM2's 3 KV heads leave one split's last
     wave 73% full at batch 64 and 128: 4 and 2 splits fill 97%. Shapes that filled their
-    wave keep the one-wave count, and the sparse kernel's rule is the one-wave count."""
+    wave keep the one-wave count."""
     count = verify_module.split_count
     assert count(64 * 3, 64, H200_SMS) == 4
     assert count(128 * 3, 64, H200_SMS) == 2
     assert count(256 * 3, 64, H200_SMS) == 1
     assert count(8 * 8, 512, H200_SMS) == 4  # Qwen3-8B, batch 8: as before
     assert count(1 * 8, 512, H200_SMS) == 33
-    assert count(64 * 3, 64, H200_SMS, fill_last_wave=False) == 1
     assert count(64 * 3, 3, H200_SMS) == 3  # never more splits than tiles
     wave = verify_module.RESIDENT_PER_SM * H200_SMS
 

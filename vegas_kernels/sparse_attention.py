@@ -130,8 +130,7 @@ def sparse_attention(q, k, v, positions, indices, counts, tail_start, max_keys: 
     h_kv = k.shape[1]
     g = h // h_kv
     dev = q.device
-    # One wave, as before the verify kernel's fuller last waves: not measured here.
-    splits = splits or splits_for(dev, b * h_kv, max_keys, fill_last_wave=False)
+    splits = splits or splits_for(dev, b * h_kv, max_keys)
     out = torch.empty(b, 1, h, d, device=dev, dtype=q.dtype)
     # One split finishes its rows itself: no partials to allocate or merge (``out``
     # stands in for their pointers, which that launch never reads).

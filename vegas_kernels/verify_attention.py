@@ -110,39 +110,35 @@ def supported(q: torch.Tensor) -> bool:
     return d >= MIN_HEAD_DIM and d & (d - 1) == 0
 
 
-def split_count(programs_per_split: int, tiles: int, sms: int, *,
-                fill_last_wave: bool = True) -> int:
+def split_count(programs_per_split: int, tiles: int, sms: int) -> int:
     """Splits of the key range per (sequence, KV head), for ``programs_per_split`` (B x H_kv)
     programs per split, ``tiles`` key tiles under the static bound and ``sms`` SMs.
 
-    At least as many as make one whole wave of RESIDENT_PER_SM programs per SM; with
-    ``fill_last_wave``, more while the programs would fill their last wave less than
-    MIN_LAST_WAVE_FILL and stay within MAX_SPLIT_WAVES waves (the best-filled count if
-    none gets there). Never more than the tiles."""
+    At least as many as make one whole wave of RESIDENT_PER_SM programs per SM; more
+    while the programs would fill their last wave less than MIN_LAST_WAVE_FILL and stay
+    within MAX_SPLIT_WAVES waves (the best-filled count if none gets there). Never more
+    than the tiles."""
     wave = RESIDENT_PER_SM * sms
     programs = max(programs_per_split, 1)
     one_wave = max(1, wave // programs)
-    best = one_wave
-    if fill_last_wave:
-        best_fill = 0.0
-        for splits in range(one_wave, max(one_wave, MAX_SPLIT_WAVES * wave // programs) + 1):
-            launched = programs * splits
-            fill = launched / (math.ceil(launched / wave) * wave)
-            if fill > best_fill:
-                best, best_fill = splits, fill
-            if fill >= MIN_LAST_WAVE_FILL:
-                break
+    best, best_fill = one_wave, 0.0
+    for splits in range(one_wave, max(one_wave, MAX_SPLIT_WAVES * wave // programs) + 1):
+        launched = programs * splits
+        fill = launched / (math.ceil(launched / wave) * wave)
+        if fill > best_fill:
+            best, best_fill = splits, fill
+        if fill >= MIN_LAST_WAVE_FILL:
+            break
     return max(1, min(best, tiles))
 
 
 def splits_for(device: torch.device, programs_per_split: int, bound: int,
-               block_n: int = BLOCK_N, *, fill_last_wave: bool = True) -> int:
+               block_n: int = BLOCK_N) -> int:
     """``split_count`` on ``device``'s SMs (one on a CPU) for a key bound of ``bound``
     slots in ``block_n``-slot tiles."""
     sms = (torch.cuda.get_device_properties(device).multi_processor_count
            if device.type == "cuda" else 1)
-    return split_count(programs_per_split, math.ceil(bound / block_n), sms,
-                       fill_last_wave=fill_last_wave)
+    return split_count(programs_per_split, math.ceil(bound / block_n), sms)
 
 
 def reference_verify_attention(q, k, v, positions, kv_len, row_weights=None, window=None,
