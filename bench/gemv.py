@@ -28,7 +28,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.acceptance import write_atomic  # noqa: E402
-from bench.kernels import copy_bandwidth  # noqa: E402
+from bench.kernels import calls_median_us, copy_bandwidth  # noqa: E402
 from vegas_core.config import preset_config  # noqa: E402
 from vegas_kernels.gemv import (GemvConfig, config_for, gemv, gemv_silu_mul,  # noqa: E402
                                 reference_gemv, reference_gemv_silu_mul)
@@ -38,7 +38,6 @@ from vegas_kernels.layer_ops import silu_mul  # noqa: E402
 # 50 MB L2, so each product reads its weight from HBM.
 ROTATION_BYTES = 400 << 20
 MIN_CALLS_PER_GRAPH = 48
-WARMUP, REPEATS = 3, 20
 CHECK_TOLERANCE = 2e-2  # bf16 output rounding, relative to the output's scale
 SWEEP = [GemvConfig(n, k, w, s) for n, k, w, s in itertools.product(
     (16, 32, 64), (64, 128, 256, 512), (4, 8), (3, 4, 5))]
@@ -52,27 +51,6 @@ def projections(model: str) -> dict[str, tuple[int, int, bool]]:
             "gate_up + silu": (2 * c.intermediate_size, c.hidden_size, True),
             "down": (c.hidden_size, c.intermediate_size, False),
             "lm_head": (c.vocab_size, c.hidden_size, False)}
-
-
-def graph_us(fns: list) -> float:
-    """Median time per call of the calls in ``fns``, captured back to back in one graph."""
-    for fn in fns[:WARMUP]:
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in fns:
-            fn()
-    graph.replay()
-    times = []
-    for _ in range(REPEATS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / len(fns))
-    return sorted(times)[len(times) // 2]
 
 
 def check(n: int, k: int, silu: bool, rows: int, config: GemvConfig | None) -> float:
@@ -100,11 +78,11 @@ def time_projection(n: int, k: int, silu: bool, rows: int,
         cublas = [lambda w=w: silu_mul(F.linear(x, w)) for w in order]
     else:
         cublas = [lambda w=w: F.linear(x, w) for w in order]
-    base = graph_us(cublas)
+    base = calls_median_us(cublas)
     ours = []
     for c in configs:
         kernel = gemv_silu_mul if silu else gemv
-        ours.append(graph_us([lambda w=w: kernel(x, w, config=c) for w in order]))
+        ours.append(calls_median_us([lambda w=w: kernel(x, w, config=c) for w in order]))
     del weights
     torch.cuda.empty_cache()
     return base, ours

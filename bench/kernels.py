@@ -43,12 +43,18 @@ def median_us(fn) -> float:
     in one CUDA graph, each replay timed with CUDA events and divided by the count. Timing
     a single call per replay would add the graph launch's host latency (about 10 us, and
     jittery) to every figure; in a decode step the kernels run back to back like this."""
-    for _ in range(WARMUP):
+    return calls_median_us([fn] * CALLS_PER_GRAPH)
+
+
+def calls_median_us(calls: list) -> float:
+    """Median GPU time per call of ``calls`` (e.g. one product per layer's weight),
+    captured back to back in one CUDA graph as ``median_us`` does."""
+    for fn in calls[:WARMUP]:
         fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(CALLS_PER_GRAPH):
+        for fn in calls:
             fn()
     graph.replay()  # the first replay uploads the graph
     times = []
@@ -58,7 +64,7 @@ def median_us(fn) -> float:
         graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / CALLS_PER_GRAPH)
+        times.append(start.elapsed_time(end) * 1000 / len(calls))
     return sorted(times)[len(times) // 2]
 
 

@@ -160,3 +160,23 @@ def test_the_split_kernel_compiles_for_an_h200_on_a_machine_without_one(tmp_path
     assert result["constexprs"] == {"COLLECT": True, "BLOCK_M": 32, "BLOCK_N": 128, "T": 7,
                                     "G": 3}
     assert 0 < result["usage"]["REG"] <= 255 and result["usage"]["STACK"] >= 0
+
+
+def test_the_gemv_bench_times_every_weight_of_a_layer_and_the_lm_head():
+    """Its projections cover each dense layer's weights (q/k/v and gate/up packed) and
+    the LM head, as the model holds them."""
+    from bench.gemv import projections
+
+    shapes = projections("qwen3-8b")
+    assert shapes == {"qkv": (6144, 4096, False), "o": (4096, 4096, False),
+                      "gate_up + silu": (24576, 4096, True), "down": (4096, 12288, False),
+                      "lm_head": (151936, 4096, False)}
+    net = load_model("dummy:tiny", device="cpu").net
+    layer = {name: tuple(p.shape) for name, p in net.layers[0].named_parameters()
+             if p.dim() == 2}
+    tiny = projections("tiny")
+    assert layer == {"self_attn.qkv_proj.weight": tiny["qkv"][:2],
+                     "self_attn.o_proj.weight": tiny["o"][:2],
+                     "mlp.gate_up_proj.weight": tiny["gate_up + silu"][:2],
+                     "mlp.down_proj.weight": tiny["down"][:2]}
+    assert tuple(net.lm_head.weight.shape) == tiny["lm_head"][:2]
