@@ -101,7 +101,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("error: bench/gemv.py needs a CUDA GPU")
     bandwidth = copy_bandwidth()
-    lines = [f"# Linear layers of a few rows: gemv against cuBLAS (bf16)", "",
+    lines = ["# Linear layers of a few rows: gemv against cuBLAS (bf16)", "",
              f"- GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}; "
              f"triton {triton.__version__}",
              f"- Command: `python {shlex.join(sys.argv)}`",

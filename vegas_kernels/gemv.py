@@ -24,8 +24,9 @@ Layout and contracts:
 
 The engine sends it half-precision weights only (bf16 / fp16, see ``gemv_serves``):
 float32 models, which the lossless tests run, keep ``F.linear``. The kernel takes float32
-as well (exact products, no TF32), which is how the interpreter tests it. The wrappers allocate only their outputs and never read device
-values on the host, so they can be captured in a CUDA graph.
+as well (exact products, no TF32), which is how the interpreter tests it. The wrappers
+allocate only their outputs and never read device values on the host, so they can be
+captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ class GemvConfig:
                 f"num_warps={self.num_warps}, num_stages={self.num_stages})")
 
 
-# Chosen by bench/gemv.py --sweep on the H200 (docs/results/gemv-h200.md), 1 and 8 rows.
+# Chosen by bench/gemv.py --sweep on the H200 (docs/results/gemv-sweep-h200.md), 1 and 8
+# rows.
 # At the 8B shapes, wide weights (N >= 6144: 96 or more programs) take 64-row tiles and
 # narrower ones 32-row tiles, so that a 4096-row weight still spreads over 128 programs,
 # one per SM, with a deeper pipeline to keep each SM's loads in flight. A short K
@@ -137,7 +139,8 @@ if triton is not None:
             else:
                 w = tl.load(w_row + k[None, :], mask=k[None, :] < K, other=0.0)
                 xt = tl.load(x_col + k[:, None], mask=row_mask & (k[:, None] < K), other=0.0)
-            acc = tl.dot(w, xt, acc, input_precision="ieee")  # [BLOCK_N, BLOCK_K] @ [BLOCK_K, ROWS_PAD]
+            # [BLOCK_N, BLOCK_K] @ [BLOCK_K, ROWS_PAD]; "ieee" keeps float32 exact (no TF32)
+            acc = tl.dot(w, xt, acc, input_precision="ieee")
         return acc
 
     @triton.jit
