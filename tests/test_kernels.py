@@ -19,6 +19,7 @@ triton = pytest.importorskip("triton", reason="Triton is optional on CPU-only in
 from vegas_kernels.collect_scores import (COLLECT_TILES, collect_scores,  # noqa: E402
                                           edge_weight_scores, reference_collect_scores)
 import vegas_kernels.verify_attention as verify_module  # noqa: E402
+import vegas_kernels.sparse_attention as sparse_module  # noqa: E402
 from vegas_kernels.verify_attention import BLOCK_N, merge_partials, split_buffers  # noqa: E402
 from vegas_kernels.select_slots import (reference_topk_slots, reserved_slots,  # noqa: E402
                                         topk_slots)
@@ -278,6 +279,53 @@ def test_merge_partials_is_logsumexp_of_live_splits(monkeypatch, max_lanes, tile
     ref_lse = ref_lse.view(b, h_kv, g, t).permute(0, 3, 1, 2).reshape(b, t, g * h_kv)
     torch.testing.assert_close(out.double().cpu(), ref_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse.double().cpu(), ref_lse, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", ["verify", "sparse"])
+def test_split_kernels_merge_in_their_last_program(monkeypatch, kernel):
+    """Where one merge block holds the splits, the last program of each (sequence, KV
+    head) merges them as the merge launch would (which runs instead while a CUDA graph is
+    captured before the counters exist), and leaves the counters at 0."""
+    batch, heads, kv_heads, dim, slots, splits = 2, 8, 2, 32, 300, 5
+    q = randn(batch, 3 if kernel == "verify" else 1, heads, dim, dtype=torch.float32, seed=1)
+    k = randn(batch, kv_heads, slots, dim, dtype=torch.float32, seed=2)
+    v = randn(batch, kv_heads, slots, dim, dtype=torch.float32, seed=3)
+    sinks = randn(heads, dtype=torch.float32, seed=4)
+    if kernel == "verify":
+        positions = window_positions([slots, slots - 90], 3)
+        run = lambda: verify_attention(q, k, v, positions, slots, splits=splits,  # noqa: E731
+                                       sinks=sinks)[:2]
+        ref = reference_verify_attention(q.double(), k.double(), v.double(), positions, slots,
+                                         sinks=sinks.double())[:2]
+    else:
+        positions = torch.tensor([[slots - 1], [slots - 60]], device=DEVICE)
+        tail_start = positions[:, 0] - 4
+        indices = selected_slots(tail_start.tolist(), 1, 200, torch.Generator().manual_seed(5))
+        counts = torch.tensor([200, 150], device=DEVICE)
+        run = lambda: (sparse_attention(q, k, v, positions, indices, counts,  # noqa: E731
+                                        tail_start, 205, splits=splits, sinks=sinks),)
+        ref = (reference_sparse_attention(q.double(), k.double(), v.double(), positions,
+                                          indices, counts, tail_start, sinks.double()),)
+    assert verify_module.merges_in_kernel(splits, q.shape[1] * heads // kv_heads, dim)
+    in_kernel = run()
+    counters = verify_module._counters[torch.device(DEVICE) if DEVICE == "cpu"
+                                       else torch.device("cuda", torch.cuda.current_device())]
+    assert counters.eq(0).all()
+    monkeypatch.setattr(verify_module, "split_counters", lambda *a: None)
+    if kernel == "sparse":
+        monkeypatch.setattr(sparse_module, "split_counters", lambda *a: None)
+    own_launch = run()
+    for got, launched, want in zip(in_kernel, own_launch, ref):
+        torch.testing.assert_close(got, launched, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(got.double(), want, atol=TOLERANCE[torch.float32],
+                                   rtol=TOLERANCE[torch.float32])
+
+
+def test_merges_in_kernel_only_when_one_block_holds_them():
+    assert verify_module.merges_in_kernel(4, 3, 64)  # SmolLM2's decode at batch 64
+    assert not verify_module.merges_in_kernel(33, 4, 128)  # an 8B draft at batch 1
+    assert not verify_module.merges_in_kernel(4, 28, 128)  # an 8B verify: 28 rows
+    assert not verify_module.merges_in_kernel(200, 1, 16)  # more splits than lanes
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -23,15 +23,16 @@ import math
 
 import torch
 
-from vegas_kernels.verify_attention import (BLOCK_N, SPLIT_WARPS, block_rows, merge_partials,
-                                            split_buffers, split_stages, splits_for)
+from vegas_kernels.verify_attention import (BLOCK_N, SPLIT_WARPS, block_rows, merge_args,
+                                            merge_partials, merges_in_kernel, split_buffers,
+                                            split_counters, split_stages, splits_for)
 
 try:
     import triton
     import triton.language as tl
 
-    from vegas_kernels.verify_attention import (_scaled_scores, _softmax_step, _split_range,
-                                                _store_partials, _store_rows)
+    from vegas_kernels.verify_attention import (_merge_if_last, _scaled_scores, _softmax_step,
+                                                _split_range, _store_partials, _store_rows)
 except ImportError:
     triton = None
 
@@ -63,13 +64,16 @@ if triton is not None:
 
     @triton.jit
     def _sparse_split_kernel(
-        Q, K, V, POS, IDX, CNT, TAIL, ACC, MAX, SUM, LIVE, SINKS, OUT,
+        Q, K, V, POS, IDX, CNT, TAIL, ACC, MAX, SUM, LIVE,
+        COUNT, SINKS, OUT, LSE, so_b, so_t, so_h, sl_b, sl_t, sl_h,
         sq_b, sq_h, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sp_b, si_b, si_g, sc_b, st_b,
-        sa_bh, sa_sp, sa_m, sm_bh, sm_sp, so_b, so_h,
+        sa_bh, sa_sp, sa_m, sm_bh, sm_sp,
         splits, sm_scale,
         H_KV: tl.constexpr, G: tl.constexpr, PER_HEAD: tl.constexpr, D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-        SINGLE: tl.constexpr, HAS_SINKS: tl.constexpr,
+        SINGLE: tl.constexpr, MERGE: tl.constexpr, LANES: tl.constexpr,
+        MERGE_ROWS: tl.constexpr, MERGE_DIMS: tl.constexpr, STORE_LSE: tl.constexpr,
+        HAS_SINKS: tl.constexpr,
     ):
         bh = tl.program_id(0)
         split = tl.program_id(1)
@@ -113,6 +117,11 @@ if triton is not None:
             _store_partials(ACC, MAX, SUM, LIVE, bh, split, bh * sa_bh + split * sa_sp,
                             bh * sm_bh + split * sm_sp, sa_m, acc, m_i, l_i, live, start, end,
                             G, BLOCK_M, D)
+            if MERGE:
+                _merge_if_last(COUNT, ACC, MAX, SUM, SINKS, OUT, LSE, bh, splits, live,
+                               sa_bh, sa_sp, sa_m, sm_bh, sm_sp, so_b, so_t, so_h, sl_b, sl_t,
+                               sl_h, H_KV, G, 1, LANES, MERGE_ROWS, MERGE_DIMS, STORE_LSE,
+                               HAS_SINKS)
 
 
 def sparse_attention(q, k, v, positions, indices, counts, tail_start, max_keys: int, *,
@@ -137,22 +146,22 @@ def sparse_attention(q, k, v, positions, indices, counts, tail_start, max_keys: 
     single = splits == 1
     partials = None if single else split_buffers(b, h_kv, splits, g, d, dev)
     acc, maxes, sums, live = (out,) * 4 if single else partials
+    counters = (split_counters(dev, b * h_kv) if not single and merges_in_kernel(splits, g, d)
+                else None)
+    merge, merge_flags = merge_args(partials, out, None, counters, sinks)
     if indices.stride(-1) != 1:
         indices = indices.contiguous()
-    sinks_arg = sinks.float().contiguous() if sinks is not None else out  # placeholder
     _sparse_split_kernel[(b * h_kv, splits)](
-        q, k, v, positions, indices, counts, tail_start, acc, maxes, sums, live, sinks_arg,
-        out,
+        q, k, v, positions, indices, counts, tail_start, acc, maxes, sums, live, *merge,
         q.stride(0), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), positions.stride(0),
         indices.stride(0), indices.stride(1), counts.stride(0), tail_start.stride(0),
         acc.stride(0), acc.stride(1), acc.stride(2), maxes.stride(0), maxes.stride(1),
-        out.stride(0), out.stride(2), splits, 1.0 / math.sqrt(d),
+        splits, 1.0 / math.sqrt(d),
         H_KV=h_kv, G=g, PER_HEAD=indices.shape[1] > 1, D=d, BLOCK_M=block_rows(g),
-        BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32,
-        SINGLE=single, HAS_SINKS=sinks is not None,
+        BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32, SINGLE=single, **merge_flags,
         num_warps=SPLIT_WARPS, num_stages=split_stages(d),
     )
-    if not single:
+    if not single and counters is None:
         merge_partials(partials, out, None, h_kv, g, 1, sinks)
     return out
