@@ -328,17 +328,30 @@ def test_merges_in_kernel_only_when_one_block_holds_them():
     assert not verify_module.merges_in_kernel(200, 1, 16)  # more splits than lanes
 
 
+def test_sparse_tiling_halves_tiles_only_for_short_lists_in_one_wave(monkeypatch):
+    for module in (verify_module, sparse_module):
+        monkeypatch.setattr(module, "sm_count", lambda device: 132)  # an H200
+    cpu = torch.device("cpu")
+    # An 8B draft at 64k, 5%: 3284 keys; batch 1 fills one wave with two-tile splits.
+    assert sparse_module.sparse_tiling(cpu, 8, 3284) == (66, BLOCK_N // 2)
+    assert sparse_module.sparse_tiling(cpu, 8, 6561) == (66, BLOCK_N // 2)  # 128k
+    assert sparse_module.sparse_tiling(cpu, 64, 3284) == (4, BLOCK_N)  # batch 8: 13 tiles
+    assert sparse_module.sparse_tiling(cpu, 192, 417) == (4, BLOCK_N)  # SmolLM2, batch 64
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("per_head", [False, True])
-@pytest.mark.parametrize("budget, tails, splits", [
-    ([70, 33], [5, 9], 3),  # ragged budgets and tails
-    ([0, 1], [0, 3], 16),  # edges: no selected slot (tail only), one; mostly empty splits
-    ("all", [2, 2], None),  # the whole prefix selected: dense, the default split count
-    ([70, 33], [5, 9], 1),  # one split: no merge launch
+@pytest.mark.parametrize("budget, tails, splits, block_n", [
+    ([70, 33], [5, 9], 3, None),  # ragged budgets and tails
+    ([0, 1], [0, 3], 16, None),  # edges: no selected slot (tail only), one; mostly empty splits
+    ("all", [2, 2], None, None),  # the whole prefix selected: dense, the default split count
+    ([70, 33], [5, 9], 1, None),  # one split: no merge launch
+    ([70, 33], [5, 9], 6, BLOCK_N // 2),  # the short-list tiles of a small batch
+    ("all", [2, 2], 1, BLOCK_N // 2),  # ... several of them in one split
 ])
-def test_sparse_attention_matches_reference(dtype, per_head, budget, tails, splits):
+def test_sparse_attention_matches_reference(dtype, per_head, budget, tails, splits, block_n):
     batch, heads, kv_heads, dim, slots = 2, 8, 2, 64, 160
-    seed = len(str(budget)) + sum(tails) + (splits or 0)
+    seed = len(str(budget)) + sum(tails) + (splits or 0) + (block_n or 0)
     q = randn(batch, 1, heads, dim, dtype=dtype, seed=seed)
     k = randn(batch, kv_heads, slots, dim, dtype=dtype, seed=seed + 1)
     v = randn(batch, kv_heads, slots, dim, dtype=dtype, seed=seed + 2)
@@ -351,7 +364,7 @@ def test_sparse_attention_matches_reference(dtype, per_head, budget, tails, spli
     counts_t = torch.tensor(counts, device=DEVICE)
     max_keys = max(c + t + 1 for c, t in zip(counts, tails))
     out = sparse_attention(q, k, v, positions, indices, counts_t, tail_start, max_keys,
-                           splits=splits)
+                           splits=splits, block_n=block_n)
     ref = reference_sparse_attention(q.double(), k.double(), v.double(), positions, indices,
                                      counts_t, tail_start)
     tol = TOLERANCE[dtype]
@@ -360,7 +373,7 @@ def test_sparse_attention_matches_reference(dtype, per_head, budget, tails, spli
     # With sinks (gpt-oss): the merge adds them once, whatever the split count.
     sinks = randn(heads, dtype=torch.float32, seed=seed + 3)
     out = sparse_attention(q, k, v, positions, indices, counts_t, tail_start, max_keys,
-                           splits=splits, sinks=sinks)
+                           splits=splits, block_n=block_n, sinks=sinks)
     ref = reference_sparse_attention(q.double(), k.double(), v.double(), positions, indices,
                                      counts_t, tail_start, sinks.double())
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)

@@ -12,7 +12,8 @@ from the static bound ``max_keys`` and a split count, and each program cuts its 
 slice of ``total = counts[b] + max(positions[b] - tail_start[b] + 1, 0)`` keys, so one
 launch (a captured CUDA graph) serves any key count up to the bound. The splits are
 merged by log-sum-exp in the shared merge kernel, straight into out [B, 1, H, D]; a
-single split writes out itself.
+single split writes out itself. Tiles hold BLOCK_N slots, half that when the lists are
+short and the batch small (``sparse_tiling``).
 
 ``reference_sparse_attention`` is the PyTorch ground truth.
 """
@@ -23,9 +24,11 @@ import math
 
 import torch
 
-from vegas_kernels.verify_attention import (BLOCK_N, SPLIT_WARPS, block_rows, merge_args,
+from vegas_kernels.verify_attention import (BLOCK_N, NARROW_HEAD_DIM, RESIDENT_PER_SM,
+                                            SPLIT_WARPS, block_rows, merge_args,
                                             merge_partials, merges_in_kernel, split_buffers,
-                                            split_counters, split_stages, splits_for)
+                                            split_counters, split_stages, splits_for,
+                                            sm_count)
 
 try:
     import triton
@@ -35,6 +38,28 @@ try:
                                                 _split_range, _store_partials, _store_rows)
 except ImportError:
     triton = None
+
+# Pipeline stages at head dims up to NARROW_HEAD_DIM (SmolLM2's 64): with the list entries
+# prefetched, three stages ran 3-5% slower than two there, while at head dim 128 three
+# beat two by 3-6% (H200, stop 34 in docs/results/step-targets-h200.md).
+NARROW_STAGES = 2
+# A launch whose programs fit in one wave and whose splits hold at most this many tiles
+# (a batch of one or two at 5% of the prefix) runs tiles of half the slots and twice the
+# splits: twice the programs in flight over lists too short to fill each one's pipeline
+# (Qwen3-8B shape, batch 1, 64k / 128k: 12.3 -> 11.0 / 16.2 -> 14.6 us a layer, there).
+SHORT_SPLIT_TILES = 4
+
+
+def sparse_tiling(device: torch.device, programs_per_split: int, max_keys: int
+                  ) -> tuple[int, int]:
+    """-> (splits, slots per tile) of a launch of ``programs_per_split`` (B x H_kv)
+    programs per split over at most ``max_keys`` keys."""
+    splits = splits_for(device, programs_per_split, max_keys)
+    one_wave = programs_per_split * splits <= RESIDENT_PER_SM * sm_count(device)
+    short = math.ceil(math.ceil(max_keys / BLOCK_N) / splits) <= SHORT_SPLIT_TILES
+    if one_wave and short and max_keys > BLOCK_N:
+        return 2 * splits, BLOCK_N // 2
+    return splits, BLOCK_N
 
 
 def reference_sparse_attention(q, k, v, positions, indices, counts, tail_start, sinks=None):
@@ -98,13 +123,19 @@ if triton is not None:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
+        # The next tile's list entries load while this tile computes: each gather waits
+        # on its entries, and the loop's own pipelining left that wait exposed.
+        j = start + tl.arange(0, BLOCK_N)
+        listed = tl.load(idx_base + j, mask=(j < end) & (j < count), other=0).to(tl.int32)
         for j0 in range(start, end, BLOCK_N):
             j = j0 + tl.arange(0, BLOCK_N)
             in_range = j < end
-            listed = tl.load(idx_base + j, mask=in_range & (j < count), other=0).to(tl.int32)
             slot = tl.where(j < count, listed, tail0 + (j - count))
             k = tl.load(k_head + slot[:, None] * sk_s + dims[None, :], mask=in_range[:, None],
                         other=0.0)
+            after = j + BLOCK_N
+            listed = tl.load(idx_base + after, mask=(after < end) & (after < count),
+                             other=0).to(tl.int32)
             s = _scaled_scores(q, k, sm_scale, IEEE)
             s = tl.where(in_range[None, :] & row_ok[:, None], s, float("-inf"))
             vt = tl.load(v_head + slot[:, None] * sv_s + dims[None, :], mask=in_range[:, None],
@@ -125,13 +156,14 @@ if triton is not None:
 
 
 def sparse_attention(q, k, v, positions, indices, counts, tail_start, max_keys: int, *,
-                     splits: int | None = None, sinks=None):
+                     splits: int | None = None, block_n: int | None = None, sinks=None):
     """Triton sparse draft attention -> out [B, 1, H, D] in q's dtype.
 
     q [B, 1, H, D]; k, v [B, H_kv, S, D] (last dim contiguous); positions [B, 1];
     indices [B, 1 or H_kv, K]; counts, tail_start [B] (any integer dtype); max_keys: a
     static bound on every sequence's key count (selected + tail), which only sizes the
-    grid; splits: the split count (default ``splits_for``); sinks: [H] or None, logits
+    grid; splits, block_n: the split count and slots per tile (default ``sparse_tiling``;
+    BLOCK_N when only ``splits`` is given); sinks: [H] or None, logits
     that join each head's softmax (added once, after the splits). Reads nothing back from the
     device."""
     b, t, h, d = q.shape
@@ -139,7 +171,10 @@ def sparse_attention(q, k, v, positions, indices, counts, tail_start, max_keys: 
     h_kv = k.shape[1]
     g = h // h_kv
     dev = q.device
-    splits = splits or splits_for(dev, b * h_kv, max_keys)
+    if splits is None:
+        splits, default_block = sparse_tiling(dev, b * h_kv, max_keys)
+        block_n = block_n or default_block
+    block_n = block_n or BLOCK_N
     out = torch.empty(b, 1, h, d, device=dev, dtype=q.dtype)
     # One split finishes its rows itself: no partials to allocate or merge (``out``
     # stands in for their pointers, which that launch never reads).
@@ -159,8 +194,9 @@ def sparse_attention(q, k, v, positions, indices, counts, tail_start, max_keys: 
         acc.stride(0), acc.stride(1), acc.stride(2), maxes.stride(0), maxes.stride(1),
         splits, 1.0 / math.sqrt(d),
         H_KV=h_kv, G=g, PER_HEAD=indices.shape[1] > 1, D=d, BLOCK_M=block_rows(g),
-        BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32, SINGLE=single, **merge_flags,
-        num_warps=SPLIT_WARPS, num_stages=split_stages(d),
+        BLOCK_N=block_n, IEEE=q.dtype == torch.float32, SINGLE=single, **merge_flags,
+        num_warps=SPLIT_WARPS,
+        num_stages=NARROW_STAGES if d <= NARROW_HEAD_DIM else split_stages(d),
     )
     if not single and counters is None:
         merge_partials(partials, out, None, h_kv, g, 1, sinks)

@@ -136,9 +136,14 @@ def splits_for(device: torch.device, programs_per_split: int, bound: int,
                block_n: int = BLOCK_N) -> int:
     """``split_count`` on ``device``'s SMs (one on a CPU) for a key bound of ``bound``
     slots in ``block_n``-slot tiles."""
-    sms = (torch.cuda.get_device_properties(device).multi_processor_count
-           if device.type == "cuda" else 1)
-    return split_count(programs_per_split, math.ceil(bound / block_n), sms)
+    return split_count(programs_per_split, math.ceil(bound / block_n), sm_count(device))
+
+
+def sm_count(device: torch.device) -> int:
+    """SMs of ``device`` (one for a CPU, where the interpreter runs the kernels)."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def reference_verify_attention(q, k, v, positions, kv_len, row_weights=None, window=None,
