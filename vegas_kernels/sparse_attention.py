@@ -11,9 +11,10 @@ As in ``vegas_kernels.verify_attention``, lengths live on the device only: the g
 from the static bound ``max_keys`` and a split count, and each program cuts its own
 slice of ``total = counts[b] + max(positions[b] - tail_start[b] + 1, 0)`` keys, so one
 launch (a captured CUDA graph) serves any key count up to the bound. The splits are
-merged by log-sum-exp in the shared merge kernel, straight into out [B, 1, H, D]; a
-single split writes out itself. Tiles hold BLOCK_N slots, half that when the lists are
-short and the batch small (``sparse_tiling``).
+merged by log-sum-exp straight into out [B, 1, H, D], by the last program of each
+(sequence, KV head) where one merge block holds them (``merges_in_kernel``), else by the
+shared merge kernel; a single split writes out itself. Tiles hold BLOCK_N slots, half
+that when the lists are short and the batch small (``sparse_tiling``).
 
 ``reference_sparse_attention`` is the PyTorch ground truth.
 """
@@ -57,7 +58,7 @@ def sparse_tiling(device: torch.device, programs_per_split: int, max_keys: int
     splits = splits_for(device, programs_per_split, max_keys)
     one_wave = programs_per_split * splits <= RESIDENT_PER_SM * sm_count(device)
     short = math.ceil(math.ceil(max_keys / BLOCK_N) / splits) <= SHORT_SPLIT_TILES
-    if one_wave and short and max_keys > BLOCK_N:
+    if one_wave and short and max_keys > BLOCK_N:  # (a list of one tile stays whole)
         return 2 * splits, BLOCK_N // 2
     return splits, BLOCK_N
 
@@ -172,8 +173,8 @@ def sparse_attention(q, k, v, positions, indices, counts, tail_start, max_keys: 
     g = h // h_kv
     dev = q.device
     if splits is None:
-        splits, default_block = sparse_tiling(dev, b * h_kv, max_keys)
-        block_n = block_n or default_block
+        splits, tiled = sparse_tiling(dev, b * h_kv, max_keys)
+        block_n = block_n or tiled
     block_n = block_n or BLOCK_N
     out = torch.empty(b, 1, h, d, device=dev, dtype=q.dtype)
     # One split finishes its rows itself: no partials to allocate or merge (``out``
