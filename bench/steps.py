@@ -40,7 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.acceptance import with_ext, write_atomic  # noqa: E402
 
-MODELS = ("qwen3-8b", "llama-3.1-8b", "gpt-oss-20b", "qwen3-30b-a3b", "smollm2-135m")
+MODELS = ("qwen3-8b", "llama-3.1-8b", "gpt-oss-20b", "qwen3-30b-a3b", "smollm2-135m",
+          "gemma3-270m")
 STEP_REPEATS = 30  # vanilla step replays timed
 ITERATIONS, WARMUP_ITERATIONS = 12, 3
 HEADROOM = 12 << 30  # bytes left free beside weights and cache (graphs, scores, logits)

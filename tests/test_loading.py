@@ -13,7 +13,7 @@ from vegas_core.model import Transformer
 # Published parameter counts (model cards), to the precision the cards give.
 PUBLISHED_PARAMS = {"qwen3-8b": 8.19e9, "qwen3-4b": 4.02e9, "llama-3.1-8b": 8.03e9,
                     "qwen2.5-7b": 7.62e9, "smollm2-135m": 0.135e9, "qwen3-30b-a3b": 30.5e9,
-                    "gpt-oss-20b": 20.9e9}
+                    "gpt-oss-20b": 20.9e9, "gemma3-270m": 0.268e9}
 
 
 @pytest.mark.parametrize("preset", sorted(set(PRESETS) - {"tiny"}))
@@ -24,6 +24,22 @@ def test_dummy_presets_have_the_published_size(preset):
     counted = sum(p.numel() for p in net.parameters())  # tied weights counted once
     assert counted == config.num_parameters()
     assert counted == pytest.approx(PUBLISHED_PARAMS[preset], rel=0.01)
+
+
+@pytest.mark.parametrize("model", ["smollm2-135m", "gemma3-270m"])
+def test_dummy_presets_of_embedded_models_match_their_files(model):
+    """Timing the dummy preset at real sizes stands for the embedded model only while the two
+    shapes agree field for field."""
+    import dataclasses
+
+    from vegas_core.loading.embedded import embedded_path
+    from vegas_core.loading.gguf import GGUFFile, gguf_config
+
+    from_file = dataclasses.asdict(gguf_config(GGUFFile(embedded_path(model))))
+    preset = dataclasses.asdict(preset_config(model))
+    assert from_file.pop("rms_norm_eps") == pytest.approx(preset.pop("rms_norm_eps"))  # float32
+    from_file.pop("name"), preset.pop("name")
+    assert from_file == preset
 
 
 def test_dummy_model_is_marked_and_runs():

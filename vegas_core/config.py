@@ -20,6 +20,14 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 # Hugging Face layer_types values.
 SLIDING, FULL = "sliding_attention", "full_attention"
+# Gemma3 (270M-27B): every sixth layer is global; the sliding layers' RoPE base.
+GEMMA3_GLOBAL_EVERY = 6
+GEMMA3_LOCAL_ROPE_THETA = 10000.0
+
+
+def gemma3_layer_types(num_layers: int) -> list[str]:
+    """Gemma3's attention pattern: five sliding layers, then one global, repeated."""
+    return [FULL if (i + 1) % GEMMA3_GLOBAL_EVERY == 0 else SLIDING for i in range(num_layers)]
 
 
 @dataclass(frozen=True)
@@ -375,6 +383,17 @@ PRESETS: dict[str, dict[str, Any]] = {
         rope_theta=1e6, qk_norm=True, num_experts=128, experts_per_token=8,
         expert_intermediate_size=768, normalize_routing=True, bos_token_id=151643,
         eos_token_ids=[151645], max_position_embeddings=131072,
+    ),
+    # The embedded GGUF's shape (tests check the two agree): five sliding layers of 512
+    # slots, then one global, with 256-dim heads and one KV head.
+    "gemma3-270m": dict(
+        family="gemma3", vocab_size=262144, hidden_size=640, intermediate_size=2048,
+        num_layers=18, num_heads=4, num_kv_heads=1, head_dim=256, rms_norm_eps=1e-6,
+        rope_theta=1e6, rope_local_theta=GEMMA3_LOCAL_ROPE_THETA, qk_norm=True,
+        tie_word_embeddings=True, sliding_window=512, layer_types=gemma3_layer_types(18),
+        mlp_activation="gelu_tanh", scale_embeddings=True, sandwich_norms=True,
+        query_pre_attn_scalar=256.0, bos_token_id=2, eos_token_ids=[1, 106],
+        max_position_embeddings=32768,
     ),
     # Not a real model: a few-layer shape with a byte vocabulary, for smoke tests and CI.
     "tiny": dict(

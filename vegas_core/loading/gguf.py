@@ -14,18 +14,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from vegas_core.config import FULL, SLIDING, ModelConfig
+from vegas_core.config import GEMMA3_LOCAL_ROPE_THETA, ModelConfig, gemma3_layer_types
 from vegas_core.errors import VegasError
 from vegas_core.loading.gguf_header import GGUFFormatError, GGUFHeader
 from vegas_core.loading.weights import build_with_weights
 from vegas_core.tokenizer import TokenizersTokenizer, TransformersTokenizer
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
-# What llama.cpp assumes of Gemma3 files rather than storing it: every sixth layer is
-# global, the local layers' RoPE base, and attention scaled by head_dim ** -0.5 (the
-# 270M-12B configs' query_pre_attn_scalar equals their head_dim).
-GEMMA3_GLOBAL_EVERY = 6
-GEMMA3_LOCAL_ROPE_THETA = 10000.0
+# What llama.cpp assumes of Gemma3 files rather than storing it: the layer pattern and the
+# local RoPE base (config.py), and attention scaled by head_dim ** -0.5 (the 270M-12B
+# configs' query_pre_attn_scalar equals their head_dim).
 GEMMA3_END_OF_TURN = "<end_of_turn>"
 
 # GGUF tensor name -> Hugging Face parameter name (without the "model." prefix).
@@ -134,8 +132,7 @@ def gguf_config(gf: GGUFFile) -> ModelConfig:
             eot = list(tokens).index(GEMMA3_END_OF_TURN)  # the chat turn's end
         variant = dict(
             sliding_window=int(a("attention.sliding_window")),
-            layer_types=[FULL if (i + 1) % GEMMA3_GLOBAL_EVERY == 0 else SLIDING
-                         for i in range(layers)],
+            layer_types=gemma3_layer_types(layers),
             rope_local_theta=GEMMA3_LOCAL_ROPE_THETA, mlp_activation="gelu_tanh",
             scale_embeddings=True, sandwich_norms=True, query_pre_attn_scalar=float(head_dim))
     return ModelConfig(
