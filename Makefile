@@ -4,8 +4,8 @@ PY := $(VENV)/bin/python
 PROMPT ?= Explain in two sentences why the sky is blue.
 
 # The README's main command: a quick tuning run of the embedded model that fits a CPU.
-TUNE_ARGS ?= --ctx 1k --num-prompts 1 --max-new-tokens 32 --min-tokens 32 \
-	--sparsity-grid 0.05,0.2 --gamma-candidates 2 --refine-trials 1 --max-rounds 3
+TUNE_ARGS ?= --ctx 1k --num-prompts 1 --max-new-tokens 32 --budgets 64,256 --probe-gamma 8 \
+	--candidates 2 --max-rounds 3
 
 .PHONY: setup tune demo test clean
 

@@ -192,13 +192,14 @@ def tune(argv, capsys):
     (["--storage", "/sys/x.journal"], ["--storage /sys/x.journal", "cannot write"]),
     (["--out", "/sys/x/p.yaml"], ["--out /sys/x/p.yaml", "cannot write"]),
     (["--storage", "sqlite:////nonexistent/t.db"], ["--storage", "/nonexistent does not exist"]),
-    (["--tolerance", "-1"], ["--tolerance must be in [0, 1)"]),
-    (["--tolerance", "1"], ["--tolerance must be in [0, 1)"]),
+    (["--budgets", "64,x"], ["--budgets '64,x': give comma-separated slot counts"]),
+    (["--budgets", "8192"], ["--budgets 8192: every budget covers the whole 512-token prompt"]),
+    (["--target", "tgi"], ["--target 'tgi': choose one of vllm, vegas"]),
     (["--temperature", "-0.5"], ["--temperature must be >= 0"]),
     (["--time-budget", "0"], ["--time-budget must be > 0"]),
     (["--seed", "-1"], ["--seed must be between 0 and"]),
-    (["--refine-trials", "0"], ["--refine-trials must be >= 1"]),
-    (["--gamma-max", "100"], ["--gamma-max must be <= 64"]),
+    (["--candidates", "0"], ["--candidates must be >= 1"]),
+    (["--probe-gamma", "100"], ["--probe-gamma must be <= 64"]),
     (["--precision", "1.5"], ["--precision must be in (0, 1)"]),
     (["--log-level", "LOUD"], ["--log-level 'LOUD'"]),
     (["--device", "tpu"], ["--device", "unknown device 'tpu'"]),
@@ -225,9 +226,9 @@ def test_setting_from_the_environment_names_the_variable(no_tuning, monkeypatch,
     code, err = tune(["--out", str(tmp_path / "p.yaml")], capsys)
     assert_only_line(code, err, "VEGAS_TUNE_CTX 'abc' is not a token count", absent=["--ctx"])
     monkeypatch.setenv("VEGAS_TUNE_CTX", "4k")
-    monkeypatch.setenv("VEGAS_TUNE_TOLERANCE", "2")
+    monkeypatch.setenv("VEGAS_TUNE_PRECISION", "2")
     code, err = tune(["--out", str(tmp_path / "p.yaml")], capsys)
-    assert_only_line(code, err, "VEGAS_TUNE_TOLERANCE must be in [0, 1)", absent=["--tolerance"])
+    assert_only_line(code, err, "VEGAS_TUNE_PRECISION must be in (0, 1)", absent=["--precision"])
 
 
 def test_setting_from_the_config_file_names_the_file_and_key(no_tuning, tmp_path, capsys):
@@ -242,7 +243,7 @@ def test_setting_from_the_config_file_names_the_file_and_key(no_tuning, tmp_path
 
 def test_config_file_with_yaml_aliases_is_refused(no_tuning, tmp_path, capsys):
     config = tmp_path / "tune.yaml"
-    config.write_text("a: &n 3\nrefine-trials: *n\n")
+    config.write_text("a: &n 3\ncandidates: *n\n")
     code, err = tune(["--config", str(config), "--out", str(tmp_path / "p.yaml")], capsys)
     assert_only_line(code, err, str(config), "anchors")
 

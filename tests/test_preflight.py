@@ -26,8 +26,7 @@ GIB = 2**30
     ("num_prompts", -3, "--num-prompts must be >= 1"),
     ("probe_gamma", 65, "--probe-gamma must be <= 64"),
     ("seed", 2**32, "--seed must be between 0 and 4294967295"),
-    ("tolerance", -1.0, "--tolerance must be in [0, 1)"),
-    ("tolerance", 1.0, "--tolerance must be in [0, 1)"),
+    ("candidates", 0, "--candidates must be >= 1"),
     ("temperature", -0.1, "--temperature must be >= 0"),
     ("time_budget", 0.0, "--time-budget must be > 0"),
     ("time_budget", float("inf"), "--time-budget must be a finite number"),
@@ -42,35 +41,40 @@ def test_bad_values(name, value, message):
 
 
 def test_good_and_unset_values_pass():
-    preflight.check_values({"batch_size": 1, "tolerance": 0.0, "temperature": 0.0,
+    preflight.check_values({"batch_size": 1, "budgets": (64, 256), "ctx": 1024,
+                            "target": "vllm", "temperature": 0.0,
                             "time_budget": None, "num_prompts": None, "seed": 0,
                             "log_level": "debug", "precision": 0.02, "max_rounds": 8})
 
 
 def test_value_errors_name_their_source():
-    with pytest.raises(VegasError, match=r"^VEGAS_TUNE_TOLERANCE must be"):
-        preflight.check_values({"tolerance": 3.0}, {"tolerance": "VEGAS_TUNE_TOLERANCE"})
+    with pytest.raises(VegasError, match=r"^VEGAS_TUNE_PRECISION must be"):
+        preflight.check_values({"precision": 3.0}, {"precision": "VEGAS_TUNE_PRECISION"})
+    with pytest.raises(VegasError, match=r"^tune.yaml: budgets 4096,8192: every budget covers"):
+        preflight.check_values({"budgets": (4096, 8192), "ctx": 4096},
+                               {"budgets": "tune.yaml: budgets"})
 
 
 # ---- settings resolution ---------------------------------------------------------------
 
 def test_labels_say_where_each_setting_came_from(tmp_path, monkeypatch):
     config = tmp_path / "c.yaml"
-    config.write_text("num-prompts: 3\nsparsity-grid: [0.05, 0.2]\n")
+    config.write_text("num-prompts: 3\nbudgets: [256, 64]\n")
     monkeypatch.setenv("VEGAS_TUNE_SEED", "6")
     s = cli.resolve_settings({"ctx": "8k"}, config)
     assert s.labels["ctx"] == "--ctx"
     assert s.labels["seed"] == "VEGAS_TUNE_SEED"
     assert s.labels["num_prompts"] == f"{config}: num-prompts"
     assert s.labels["model"] == "--model"  # a default: the flag is how to change it
-    assert s["sparsity_grid"] == (0.05, 0.2)  # a YAML list is taken as the ratios
+    assert s["budgets"] == (64, 256)  # a YAML list is taken as the budgets, ascending
 
 
 @pytest.mark.parametrize("text, message", [
     ("batch-size: true\n", "batch-size 'True' is not a whole number"),
-    ("tolerance: abc\n", "tolerance 'abc' is not a number"),
+    ("precision: abc\n", "precision 'abc' is not a number"),
     ("resume: maybe\n", "resume 'maybe' is not a boolean"),
-    ("sparsity-grid: 0.1,2\n", "sparsity-grid '0.1,2': every ratio must be in (0, 1]"),
+    ("budgets: 64,0.5\n", "budgets '64,0.5': give comma-separated slot counts"),
+    ("target: sglang\n", "target 'sglang': choose one of vllm, vegas"),
 ])
 def test_bad_config_values_name_the_file_and_key(text, message, tmp_path):
     config = tmp_path / "c.yaml"
@@ -221,6 +225,8 @@ def help_lines(argv, capsys, monkeypatch) -> dict[str, str]:
 def shown_default(value) -> str | None:
     if value is None:
         return None
+    if isinstance(value, tuple):
+        return ",".join(map(str, value))  # as the flag takes it: --budgets 128,256
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 

@@ -5,26 +5,35 @@ from __future__ import annotations
 import copy
 import json
 import math
+from datetime import datetime
 from pathlib import Path
 
 import pytest
 import yaml
 
 from vegas_core.errors import VegasError
-from vegas_tune.export import (VLLM_NOTE, VLLM_TARGET, build_exports, engine_settings,
-                               recommendation_note, render_export, vllm_serve_config,
-                               vllm_speculative_config)
+from vegas_tune.export import (STREAMING_NOTE, VLLM_MEASURED, VLLM_NOTE, VLLM_TARGET,
+                               build_exports, check_target, engine_settings,
+                               recommendation_note, render_export, vllm_note,
+                               vllm_serve_config, vllm_speculative_config)
 from vegas_tune.profile import (SCHEMA_VERSION, Profile, Tuned, diff_profiles, load_profile,
                                 profile_from_dict, profile_to_dict, write_profile)
 
 REPO = Path(__file__).resolve().parent.parent
-# A committed profile of the previous schema (2): one batch size, not recommended.
+# A committed profile of schema 2: one batch size, not recommended.
 SCHEMA_2_FILE = REPO / "profiles" / "smollm2-135m" / "h200-4k.yaml"
+# A committed profile of schema 3: five batch sizes, tuned with score logit and window 0.75.
+SCHEMA_3_FILE = REPO / "profiles" / "smollm2-135m" / "h200-8k.yaml"
 MODEL_ID = "meta-llama/Llama-3.1-8B-Instruct"
 # The sample's served length: ctx 8192 plus 256 new tokens.
 MAX_MODEL_LEN = 8192 + 256
+# Score logit and a window: only target vegas (this engine) runs these as measured.
 TUNED = dict(drafter="vegas", gamma=6, sparsity_ratio=0.05, min_tokens=256, collect="two",
              score="logit", granularity="layer", window=0.125)
+# The same budget and gamma as the vLLM fork's vegas algorithm runs them.
+FORK_TUNED = dict(TUNED, score="weight", window=0.0)
+# The streaming drafter (the fork's streamingllm) at the sample's budget and gamma.
+STREAMING_TUNED = dict(TUNED, drafter="streaming", window=0.0)
 
 
 def sample_profile_dict() -> dict:
@@ -39,6 +48,7 @@ def _sample_without_headline() -> dict:
     tuned = Tuned(**TUNED)
     return {
         "schema_version": SCHEMA_VERSION,
+        "target": "vegas",
         "recommended": True,
         "tuned": dict(TUNED),
         "model": {
@@ -71,24 +81,41 @@ def _sample_without_headline() -> dict:
             "selection_overhead": 0.041,
             "rounds": 5, "confidence": 0.95,
         },
+        # Batch 1's sweep and race, and batch 64's race (its sweep left out for brevity).
         "steps": [
-            {"name": "options", "study": "vegas-options-8k", "trials": 24,
-             "chosen": {"collect": "two", "score": "logit", "granularity": "layer",
-                        "window": 0.125},
-             "notes": "kv_head granularity cost 6% throughput for no acceptance gain"},
-            {"name": "budget", "study": "vegas-budget-8k", "trials": 16,
-             "chosen": {"sparsity_ratio": 0.05, "min_tokens": 256},
-             "within_noise": [{"sparsity_ratio": 0.1, "speedup": 2.1}]},
-            {"name": "gamma", "study": "vegas-gamma-8k", "trials": 3, "chosen": {"gamma": 6},
+            {"name": "sweep", "study": "llama-h200-8k:sweep@1", "batch_size": 1, "trials": 24,
+             "chosen": {"drafter": "vegas", "score": "logit", "window": 0.125, "budget": 256,
+                        "gamma": 6, "sparsity_ratio": 0.05},
+             "notes": "9 selection(s) x budgets 128, 256, 512, 1024 at gamma 12, vanilla, "
+                      "and a short probe at gamma 6"},
+            {"name": "race", "study": "llama-h200-8k:race@1", "batch_size": 1, "trials": 1,
+             "chosen": {"drafter": "vegas", "score": "logit", "window": 0.125, "budget": 256,
+                        "gamma": 6, "sparsity_ratio": 0.05, "tokens_per_second": 25.1,
+                        "speedup": 0.81, "speedup_low": 0.79, "speedup_high": 0.83,
+                        "rounds": 3},
+             "within_noise": [{"drafter": "vegas", "score": "logit", "window": 0.125,
+                               "budget": 512, "gamma": 6, "sparsity_ratio": 0.1,
+                               "speedup": 0.8, "speedup_low": 0.78, "speedup_high": 0.82}]},
+            {"name": "race", "study": "llama-h200-8k:race@64", "batch_size": 64, "trials": 1,
+             "chosen": {"drafter": "vegas", "score": "logit", "window": 0.125, "budget": 256,
+                        "gamma": 6, "sparsity_ratio": 0.05, "tokens_per_second": 61.4,
+                        "speedup": 2.12, "speedup_low": 2.05, "speedup_high": 2.19,
+                        "rounds": 5},
              "predictions": [
-                 {"gamma": 4, "predicted_tokens_per_second": 57.0,
+                 {"drafter": "vegas", "score": "logit", "window": 0.125, "budget": 256,
+                  "gamma": 4, "sparsity_ratio": 0.05, "predicted_tokens_per_second": 57.0,
                   "measured_tokens_per_second": 56.1},
-                 {"gamma": 6, "predicted_tokens_per_second": 60.8,
-                  "measured_tokens_per_second": 61.4, "measured_speedup": 2.12,
-                  "measured_speedup_interval": [2.05, 2.19]},
-                 {"gamma": 8, "predicted_tokens_per_second": 59.5,
+                 {"drafter": "vegas", "score": "logit", "window": 0.125, "budget": 256,
+                  "gamma": 6, "sparsity_ratio": 0.05, "predicted_tokens_per_second": 60.8,
+                  "predicted_mean_accepted_length": 4.9,
+                  "measured_tokens_per_second": 61.4, "measured_mean_accepted_length": 4.87,
+                  "measured_speedup": 2.12, "measured_speedup_interval": [2.05, 2.19]},
+                 {"drafter": "streaming", "score": "logit", "window": 0.0, "budget": 512,
+                  "gamma": 8, "sparsity_ratio": 0.1, "predicted_tokens_per_second": 59.5,
                   "measured_tokens_per_second": None},
-             ]},
+             ],
+             "edges": ["budget: 256 slots is the smallest measured for vegas logit, window "
+                       "0.125 (60.8 tok/s predicted there)"]},
         ],
         "provenance": {
             "tool_version": "0.1.0", "git_revision": "0ef4112",
@@ -111,7 +138,7 @@ def _sample_without_headline() -> dict:
                  "selection_overhead": 0.05, "rounds": 3, "confidence": 0.95},
              "reason": "vanilla: the speedup interval [0.79, 0.83] lies below 1"},
         ],
-        "exports": build_exports(MODEL_ID, tuned, 64, 8192 + 256).model_dump(),
+        "exports": build_exports(MODEL_ID, tuned, 64, 8192 + 256, "vegas").model_dump(),
     }
 
 
@@ -122,8 +149,8 @@ SAMPLE_HALF_WIDTH = 0.02
 def sync_headline(data: dict) -> dict:
     """``data`` with its last schedule entry rebuilt from the top-level ``tuned``,
     ``results``, ``recommended`` and ``workload.batch_size``, which repeat it, and its
-    exports rebuilt from ``tuned``: a test changes the top level, this keeps the rest
-    consistent."""
+    exports rebuilt from ``tuned`` for its ``target``: a test changes the top level, this
+    keeps the rest consistent."""
     schedule = data["schedule"]
     previous = schedule[-2]["batch_max"] if len(schedule) > 1 else 0
     batch = data["workload"]["batch_size"]
@@ -136,7 +163,8 @@ def sync_headline(data: dict) -> dict:
     w = data["workload"]
     # model_construct skips validation, so out-of-range values still get their exports.
     data["exports"] = build_exports(MODEL_ID, Tuned.model_construct(**data["tuned"]), batch,
-                                    w["ctx"] + w["max_new_tokens"]).model_dump()
+                                    w["ctx"] + w["max_new_tokens"],
+                                    data.get("target", "vegas")).model_dump()
     return data
 
 
@@ -228,7 +256,12 @@ def test_other_schema_version_is_rejected():
     with pytest.raises(VegasError) as error:
         profile_from_dict(data)
     assert_one_line(error, "<dict>: invalid profile: schema_version:",
-                    f"unsupported schema_version {SCHEMA_VERSION + 1}")
+                    f"unsupported schema_version {SCHEMA_VERSION + 1}; this vegas-tune reads "
+                    f"version {SCHEMA_VERSION} (and upgrades 2 and 3)")
+    data["schema_version"] = 1  # the first format: intervals and schedules came later
+    with pytest.raises(VegasError) as error:
+        profile_from_dict(data)
+    assert_one_line(error, "unsupported schema_version 1")
     # Building the model directly is checked too.
     with pytest.raises(ValueError):
         Profile.model_validate({**sample_profile_dict(), "schema_version": 0})
@@ -402,19 +435,29 @@ def test_vllm_serve_config_nests_the_speculative_config():
 
 
 def test_build_exports_carries_target_note_and_json():
-    exports = build_exports(MODEL_ID, Tuned(**TUNED), 64, MAX_MODEL_LEN)
+    exports = build_exports(MODEL_ID, Tuned(**TUNED), 64, MAX_MODEL_LEN, "vegas")
     assert exports.vllm.target == VLLM_TARGET
     # The sample's score and window differ from what the fork fixes: the note says so.
     assert exports.vllm.note.startswith(VLLM_NOTE)
-    assert "score 'logit' (fork: 'weight')" in exports.vllm.note
+    assert "Tuned for this engine with score 'logit' (fork: 'weight')" in exports.vllm.note
     assert "window 0.125 (fork: 0.0)" in exports.vllm.note
+    assert exports.vllm.note == vllm_note(Tuned(**TUNED), "vegas")
     assert exports.vllm.serve_config["max-num-seqs"] == 64
     assert exports.vllm.serve_config["max-model-len"] == MAX_MODEL_LEN
     assert json.loads(exports.vllm.speculative_config_json) == \
         vllm_speculative_config(Tuned(**TUNED))
-    # Settings the fork runs as tuned add nothing to the note.
-    as_fork = Tuned(**{**TUNED, "score": "weight", "window": 0.0})
-    assert build_exports(MODEL_ID, as_fork, 64, MAX_MODEL_LEN).vllm.note == VLLM_NOTE
+    # Settings the fork runs as tuned add nothing to the note when tuned for this engine;
+    # tuned for the fork, the note says the export is what was measured.
+    as_fork = Tuned(**FORK_TUNED)
+    assert build_exports(MODEL_ID, as_fork, 64, MAX_MODEL_LEN, "vegas").vllm.note == VLLM_NOTE
+    assert (build_exports(MODEL_ID, as_fork, 64, MAX_MODEL_LEN, "vllm").vllm.note
+            == VLLM_NOTE + VLLM_MEASURED)
+    # A drafter the fork does not run: no speculative config, and the note says why.
+    quest = Tuned(**dict(TUNED, drafter="quest"))
+    exports = build_exports(MODEL_ID, quest, 64, MAX_MODEL_LEN, "vegas")
+    assert "speculative-config" not in exports.vllm.serve_config
+    assert json.loads(exports.vllm.speculative_config_json) is None
+    assert "drafts with 'quest', which the fork does not run" in exports.vllm.note
 
 
 def test_vllm_yaml_render_parses_back_to_the_serve_config():
@@ -480,12 +523,24 @@ def test_git_revision_marks_uncommitted_changes(monkeypatch, head, status, expec
 
 # --- schema 2 profiles, upgraded on load ---------------------------------------------
 
+# Fields schema 2 lacked: steps were not per batch size, predictions named gamma alone.
+SCHEMA_2_LACKED_STEP = ("batch_size", "edges")
+SCHEMA_2_LACKED_PREDICTION = ("drafter", "score", "window", "budget", "sparsity_ratio",
+                              "predicted_mean_accepted_length", "measured_mean_accepted_length")
+
+
 def schema_2_dict() -> dict:
-    """The sample as the previous schema wrote it: one batch size (64), no schedule,
-    exports without the served concurrency and length."""
+    """The sample as schema 2 wrote it: no target, one batch size (64), no schedule,
+    steps without the later fields, exports without the served concurrency and length."""
     data = sample_profile_dict()
     data["schema_version"] = 2
-    del data["schedule"], data["workload"]["batch_sizes"]
+    del data["target"], data["schedule"], data["workload"]["batch_sizes"]
+    for step in data["steps"]:
+        for name in SCHEMA_2_LACKED_STEP:
+            step.pop(name, None)
+        for prediction in step.get("predictions", []):
+            for name in SCHEMA_2_LACKED_PREDICTION:
+                prediction.pop(name, None)
     tuned = Tuned(**TUNED)
     speculative = vllm_speculative_config(tuned)
     data["exports"] = {
@@ -501,7 +556,9 @@ def test_committed_schema_2_file_loads_as_a_one_entry_schedule(tmp_path):
     assert raw["schema_version"] == 2 and "schedule" not in raw  # what this test is about
     batch = raw["workload"]["batch_size"]
     profile = load_profile(SCHEMA_2_FILE)
-    assert profile.schema_version == SCHEMA_VERSION == 3
+    assert profile.schema_version == SCHEMA_VERSION == 4
+    # Schema 2 tunes searched scores and windows the fork cannot run: this engine's target.
+    assert profile.target == "vegas"
     assert len(profile.schedule) == 1
     entry = profile.schedule[0]
     assert (entry.batch_min, entry.batch_max, entry.batch_size) == (1, batch, batch)
@@ -517,10 +574,11 @@ def test_committed_schema_2_file_loads_as_a_one_entry_schedule(tmp_path):
     assert serve["model"] == raw["exports"]["vllm"]["serve_config"]["model"]
     assert serve["max-num-seqs"] == batch
     assert serve["max-model-len"] == raw["workload"]["ctx"] + raw["workload"]["max_new_tokens"]
-    # Written back, it is a schema 3 file that loads to the same profile.
+    assert profile.exports.vllm.note == vllm_note(profile.tuned, "vegas")
+    # Written back, it is a schema 4 file that loads to the same profile.
     path = tmp_path / "upgraded.yaml"
     write_profile(profile, path)
-    assert yaml.safe_load(path.read_text())["schema_version"] == 3
+    assert yaml.safe_load(path.read_text())["schema_version"] == 4
     assert load_profile(path) == profile
     assert diff_profiles(load_profile(SCHEMA_2_FILE), load_profile(path), 0.0).changes == []
 
@@ -532,7 +590,8 @@ def test_recommended_schema_2_profile_becomes_a_speculative_entry():
     assert (entry.batch_min, entry.batch_max, entry.batch_size) == (1, 64, 64)
     assert entry.config == Tuned(**TUNED) and entry.measured is None
     assert profile.recommended is True and profile.results == entry.results
-    assert profile.exports == build_exports(MODEL_ID, Tuned(**TUNED), 64, MAX_MODEL_LEN)
+    assert profile.target == "vegas"
+    assert profile.exports == build_exports(MODEL_ID, Tuned(**TUNED), 64, MAX_MODEL_LEN, "vegas")
     # Schema 2 also needed the speedup interval above 1 to recommend; that still holds.
     data = schema_2_dict()
     data["results"].update(speedup=1.01, speedup_interval=[0.97, 1.05])
@@ -550,7 +609,7 @@ def test_recommended_schema_2_profile_becomes_a_speculative_entry():
     (lambda d: d["results"].update(speedup=math.nan), "results.speedup: Input should be a finite"),
     # Data the upgrade cannot work with at all.
     (lambda d: d.pop("workload"),
-     "a schema 2 profile that cannot be read as schema 3 (KeyError: 'workload')"),
+     "a schema 2 profile that cannot be read as schema 4 (KeyError: 'workload')"),
 ], ids=["tuned.gamma", "workload.ctx", "results.speedup", "no-workload"])
 def test_bad_schema_2_file_is_one_line_naming_the_problem(tmp_path, change, expected):
     data = yaml.safe_load(SCHEMA_2_FILE.read_text())
@@ -560,6 +619,261 @@ def test_bad_schema_2_file_is_one_line_naming_the_problem(tmp_path, change, expe
     with pytest.raises(VegasError) as error:
         load_profile(path)
     assert_one_line(error, f"{path}: invalid profile: {expected}")
+
+
+# --- schema 3 profiles, upgraded on load ---------------------------------------------
+
+def test_committed_schema_3_file_loads_with_target_vegas(tmp_path):
+    raw = yaml.safe_load(SCHEMA_3_FILE.read_text())
+    assert raw["schema_version"] == 3 and "target" not in raw  # what this test is about
+    profile = load_profile(SCHEMA_3_FILE)
+    assert profile.schema_version == SCHEMA_VERSION == 4
+    # Schema 3 searched scores and windows the fork cannot run: tuned for this engine.
+    assert profile.target == "vegas"
+    assert (profile.tuned.score, profile.tuned.window) == ("logit", 0.75)
+    # The figures, schedule and steps are as they were; the steps keep their old names,
+    # and their predictions name no configuration beyond gamma and the ratio.
+    dumped = profile_to_dict(profile)
+    for name in ("tuned", "workload", "results", "schedule", "not_tuned", "cut_short"):
+        assert dumped[name] == raw.get(name, []), name
+    assert [s.name for s in profile.steps] == [s["name"] for s in raw["steps"]]
+    predictions = [p for s in profile.steps for p in s.predictions]
+    assert predictions and all(p.drafter is None and p.budget is None for p in predictions)
+    assert all(s.edges == [] for s in profile.steps)
+    # Only the vLLM note is regenerated: it names what the fork cannot run as tuned.
+    vllm, old = profile.exports.vllm, raw["exports"]["vllm"]
+    assert vllm.note == vllm_note(profile.tuned, "vegas") != old["note"]
+    assert "Tuned for this engine with score 'logit' (fork: 'weight')" in vllm.note
+    assert vllm.serve_config == old["serve_config"]
+    assert vllm.speculative_config_json == old["speculative_config_json"]
+    assert profile.exports.vegas == raw["exports"]["vegas"]
+    # Written back, it is a schema 4 file, target right after the version, that loads to
+    # the same profile.
+    path = tmp_path / "upgraded.yaml"
+    write_profile(profile, path)
+    text = path.read_text()
+    assert text.startswith("schema_version: 4\ntarget: vegas\n")
+    assert load_profile(path) == profile
+    assert diff_profiles(profile, load_profile(path), 0.0).changes == []
+
+
+@pytest.mark.parametrize("change, expected", [
+    (lambda d: d.pop("exports"), "exports: Field required"),
+    (lambda d: d["tuned"].update(window=0.9),
+     "tuned.window: Input should be less than or equal to 0.75"),
+    # YAML reads an unquoted timestamp as a date, not the string the schema asks for.
+    (lambda d: d["provenance"].update(started=datetime(2025, 6, 1, 12, 0)),
+     "provenance.started: Input should be a valid string"),
+], ids=["no-exports", "tuned.window", "started-as-date"])
+def test_bad_schema_3_file_is_one_line_naming_the_problem(tmp_path, change, expected):
+    data = yaml.safe_load(SCHEMA_3_FILE.read_text())
+    change(data)
+    path = tmp_path / "old.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    with pytest.raises(VegasError) as error:
+        load_profile(path)
+    assert_one_line(error, f"{path}: invalid profile: {expected}")
+
+
+# --- the target ----------------------------------------------------------------------
+
+def vllm_profile_dict(tuned: dict = FORK_TUNED, measured: dict = FORK_TUNED) -> dict:
+    """The sample tuned for the vLLM fork: ``tuned`` at batch 64 (the headline),
+    ``measured`` at batch 1 (which runs vanilla)."""
+    data = sample_profile_dict()
+    data["target"] = "vllm"
+    data["tuned"] = dict(tuned)
+    data["schedule"][0]["measured"] = dict(measured)
+    return sync_headline(data)
+
+
+def test_target_is_required_and_one_of_the_targets():
+    data = sample_profile_dict()
+    assert list(data)[:2] == ["schema_version", "target"]
+    del data["target"]
+    with pytest.raises(VegasError) as error:
+        profile_from_dict(data, source="mem")
+    assert_one_line(error, "mem: invalid profile: target: Field required")
+    data = sample_profile_dict()
+    data["target"] = "sglang"
+    with pytest.raises(VegasError) as error:
+        profile_from_dict(data, source="mem")
+    assert_one_line(error, "mem: invalid profile: target: unknown value 'sglang'; choose one "
+                           "of: vllm, vegas")
+    data["target"] = ["vllm"]
+    with pytest.raises(VegasError) as error:
+        profile_from_dict(data, source="mem")
+    assert_one_line(error, "mem: invalid profile: target: Input should be a valid string")
+
+
+def test_vllm_target_profile_of_fork_configurations_is_valid(tmp_path):
+    profile = profile_from_dict(vllm_profile_dict())
+    assert profile.target == "vllm"
+    assert profile.exports.vllm.note == VLLM_NOTE + VLLM_MEASURED
+    path = tmp_path / "vllm.yaml"
+    write_profile(profile, path)
+    assert load_profile(path) == profile
+    # The streaming drafter is the fork's streamingllm, at any score.
+    profile = profile_from_dict(vllm_profile_dict(measured=dict(STREAMING_TUNED, score="weight")))
+    assert profile.schedule[0].measured.drafter == "streaming"
+
+
+@pytest.mark.parametrize("tuned, measured, expected", [
+    (dict(FORK_TUNED, window=0.5), FORK_TUNED,
+     "schedule[1].config: window 0.5: the vLLM fork fixes it at 0.0 (the profile's target is "
+     "vllm)"),
+    (dict(FORK_TUNED, score="logit"), FORK_TUNED,
+     "schedule[1].config: score 'logit': the vLLM fork fixes it at 'weight' (the profile's "
+     "target is vllm)"),
+    (FORK_TUNED, dict(FORK_TUNED, window=0.5),
+     "schedule[0].measured: window 0.5: the vLLM fork fixes it at 0.0"),
+    (FORK_TUNED, dict(FORK_TUNED, score="logit"),
+     "schedule[0].measured: score 'logit': the vLLM fork fixes it at 'weight'"),
+    (FORK_TUNED, dict(FORK_TUNED, granularity="kv_head"),
+     "schedule[0].measured: granularity 'kv_head': the vLLM fork fixes it at 'layer'"),
+    (dict(FORK_TUNED, collect="all"), FORK_TUNED,
+     "schedule[1].config: collect 'all': the vLLM fork fixes it at 'two'"),
+    (dict(FORK_TUNED, drafter="quest"), FORK_TUNED,
+     "schedule[1].config: drafter 'quest': the vLLM fork runs only vegas and streaming"),
+], ids=["config-window", "config-score", "measured-window", "measured-score",
+        "measured-granularity", "config-collect", "config-drafter"])
+def test_vllm_target_refuses_what_the_fork_does_not_run(tmp_path, tuned, measured, expected):
+    data = vllm_profile_dict(tuned, measured)
+    path = tmp_path / "vllm.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    with pytest.raises(VegasError) as error:
+        load_profile(path)
+    assert_one_line(error, f"{path}: invalid profile: {expected}")
+    # The same configurations are this engine's to run: target vegas takes them.
+    data["target"] = "vegas"
+    profile_from_dict(sync_headline(data))
+
+
+def test_vllm_note_must_match_tuned_and_target():
+    # A note written for the other target (without "Tuned with --target vllm") is stale.
+    data = vllm_profile_dict()
+    data["exports"]["vllm"]["note"] = vllm_note(Tuned(**FORK_TUNED), "vegas")
+    with pytest.raises(VegasError) as error:
+        profile_from_dict(data, source="mem")
+    assert_one_line(error, "mem: invalid profile: exports.vllm.note: expected "
+                           f"{VLLM_NOTE + VLLM_MEASURED!r}; exports must be derived from tuned")
+    data = sample_profile_dict()
+    data["exports"]["vllm"]["note"] = VLLM_NOTE
+    with pytest.raises(VegasError) as error:
+        profile_from_dict(data, source="mem")
+    assert_one_line(error, "mem: invalid profile: exports.vllm.note: expected")
+    # Checked where there is no speculative config too (dense drafts).
+    data = _dense_profile_dict()
+    data["exports"]["vllm"]["note"] = VLLM_NOTE
+    with pytest.raises(VegasError) as error:
+        profile_from_dict(data, source="mem")
+    assert_one_line(error, "mem: invalid profile: exports.vllm.note: expected", "drafts densely")
+
+
+def test_check_target_refuses_another_target_unless_forced():
+    vegas = sample_profile()  # tuned for this engine
+    vllm = profile_from_dict(vllm_profile_dict())
+    assert check_target(vegas, "vegas", False, "p.yaml") is None
+    assert check_target(vllm, "vllm", False, "p.yaml") is None
+    with pytest.raises(VegasError) as error:
+        check_target(vegas, "vllm", False, "p.yaml")
+    assert_one_line(error, "p.yaml was tuned for --target vegas (every option of this "
+                           "engine); exporting it for vllm serves a configuration that was "
+                           "not measured there: re-tune with --target vllm, or pass --force")
+    with pytest.raises(VegasError) as error:
+        check_target(vllm, "vegas", False, "p.yaml")
+    assert_one_line(error, "p.yaml was tuned for --target vllm (only what the vLLM fork runs)",
+                    "re-tune with --target vegas, or pass --force")
+    warning = check_target(vegas, "vllm", True, "p.yaml")
+    assert warning.startswith("warning: p.yaml was tuned for vegas; exporting for vllm as "
+                              "--force asks") and "\n" not in warning
+    with pytest.raises(VegasError) as error:
+        check_target(vegas, "sglang", True, "p.yaml")
+    assert_one_line(error, "unknown export target 'sglang'; choose one of: vllm, vegas")
+
+
+def test_export_command_defaults_to_the_profile_target_and_refuses_another(tmp_path, capsys):
+    from vegas_tune import cli
+
+    path = tmp_path / "p.yaml"
+    write_profile(sample_profile(), path)  # target vegas
+
+    def run(*argv):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(["export", str(path), *argv])
+        out = capsys.readouterr()
+        return exit_info.value.code, out.out, out.err
+
+    code, stdout, err = run("--format", "json")
+    assert code == 0 and json.loads(stdout) == engine_settings(Tuned(**TUNED)) and not err
+    code, stdout, err = run("--target", "vllm")
+    assert code == 2 and not stdout
+    assert "was tuned for --target vegas" in err and err.count("\n") == 1
+    code, stdout, err = run("--target", "vllm", "--force")
+    assert code == 0 and yaml.safe_load(stdout)["speculative-config"]["sparse_attn_algorithm"] \
+        == "vegas"
+    assert err.startswith("warning: ") and "was tuned for vegas" in err
+
+
+def test_vllm_export_of_a_streaming_pick_says_streamingllm():
+    data = vllm_profile_dict(tuned=STREAMING_TUNED)
+    # The pick is streaming itself: its streaming figures are its own (ratio 1).
+    results = data["results"]
+    results.update(streaming_tokens_per_second=results["tokens_per_second"],
+                   streaming_tokens_per_second_interval=results["tokens_per_second_interval"],
+                   speedup_over_streaming=1.0, speedup_over_streaming_interval=[1.0, 1.0])
+    profile = profile_from_dict(sync_headline(data))
+    assert profile.tuned.drafter == "streaming"
+    speculative = {"method": "sparse_attn", "num_speculative_tokens": 6,
+                   "sparse_attn_algorithm": "streamingllm", "sparse_attn_ratio": 0.05,
+                   "sparse_attn_min_tokens": 256}
+    assert vllm_speculative_config(profile.tuned) == speculative
+    assert json.loads(render_export(profile, "vllm", "json")) == speculative
+    text = render_export(profile, "vllm", "yaml")
+    assert yaml.safe_load(text)["speculative-config"] == speculative
+    # The note says it was measured for the fork, and how its streamingllm differs.
+    assert profile.exports.vllm.note == VLLM_NOTE + VLLM_MEASURED + STREAMING_NOTE
+    assert text.startswith("# " + VLLM_NOTE)
+    # This engine's settings keep its own drafter name.
+    assert engine_settings(profile.tuned)["drafter"] == "streaming"
+
+
+# --- predictions and steps -----------------------------------------------------------
+
+def test_predictions_name_their_configuration_and_steps_their_edges(tmp_path):
+    profile = sample_profile()
+    race = profile.steps[2]
+    assert (race.name, race.batch_size) == ("race", 64)
+    pick = race.predictions[1]
+    assert (pick.drafter, pick.score, pick.window, pick.budget, pick.gamma) == (
+        "vegas", "logit", 0.125, 256, 6)
+    assert race.edges and race.edges[0].startswith("budget: 256 slots")
+    assert profile.steps[0].edges == []  # default: the sweep names none
+    path = tmp_path / "p.yaml"
+    write_profile(profile, path)
+    assert load_profile(path).steps[2] == race
+
+
+@pytest.mark.parametrize("name, value, expected", [
+    ("budget", 0, "budget: Input should be greater than or equal to 1"),
+    ("drafter", "medusa", "drafter: unknown value 'medusa'"),
+    ("score", "cosine", "score: unknown value 'cosine'"),
+    ("window", 0.8, "window: Input should be less than or equal to 0.75"),
+])
+def test_prediction_configuration_fields_are_checked(name, value, expected):
+    data = sample_profile_dict()
+    data["steps"][2]["predictions"][0][name] = value
+    with pytest.raises(VegasError) as error:
+        profile_from_dict(data, source="mem")
+    assert_one_line(error, f"mem: invalid profile: steps[2].predictions[0].{expected}")
+
+
+def test_edges_are_a_list_of_strings():
+    data = sample_profile_dict()
+    data["steps"][2]["edges"] = "budget"
+    with pytest.raises(VegasError) as error:
+        profile_from_dict(data, source="mem")
+    assert_one_line(error, "mem: invalid profile: steps[2].edges: Input should be a valid list")
 
 
 # --- the schedule --------------------------------------------------------------------

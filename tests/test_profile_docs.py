@@ -15,6 +15,8 @@ from pydantic import BaseModel
 
 from vegas_tune.export import build_exports
 from vegas_tune.profile import SCHEMA_VERSION, Profile, Tuned, profile_from_dict
+from vegas_tune.space import budget_ratio, fits_target, longest_prefix
+from vegas_tune.steps import RACE, STEPS
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "profile-format.md"
 EXAMPLE_HEADING = "## Example"
@@ -210,16 +212,68 @@ def test_example_makes_sense():
                 quotient = figures["tokens_per_second"] / figures[below]
                 assert math.isclose(figures[ratio], quotient, rel_tol=ROUNDING), f"{where}.{ratio}"
 
-    # Exports serve the headline's settings at its batch size and the tuned length.
+    # Exports serve the headline's settings at its batch size and the tuned length, for
+    # the profile's target.
     assert data["exports"] == build_exports(
         data["model"]["id"], Tuned(**tuned), head["batch_size"],
-        workload["ctx"] + workload["max_new_tokens"]).model_dump()
-    # The cheapest-within-noise rule the doc describes holds in the example.
+        workload["ctx"] + workload["max_new_tokens"], data["target"]).model_dump()
+    # The within-noise rule the doc describes holds in the example: every raced
+    # configuration still overlapping the pick has the lower mean.
     for step in data["steps"]:
         chosen = step["chosen"]
         for other in step["within_noise"]:
             assert other["speedup_low"] <= chosen["speedup_high"]
             assert chosen["speedup_low"] <= other["speedup_high"]
+            assert other["speedup"] <= chosen["speedup"]
+
+
+def test_example_budgets_are_slots_within_its_target():
+    """Every configuration in the example is one its target runs, and writes its budget
+    of B slots as ``min_tokens: B`` beside B / the longest prefix (``budget_ratio``)."""
+    data = example()
+    workload = data["workload"]
+    prefix = longest_prefix(workload["ctx"], workload["max_new_tokens"])
+    configs = [("tuned", data["tuned"])]
+    for index, entry in enumerate(data["schedule"]):
+        for name in ("config", "measured"):
+            if isinstance(entry.get(name), dict):
+                configs.append((f"schedule[{index}].{name}", entry[name]))
+    for where, config in configs:
+        assert fits_target(Tuned(**config).spec(), data["target"]) is None, where
+        assert config["sparsity_ratio"] == budget_ratio(config["min_tokens"], prefix), where
+    points = []
+    for index, step in enumerate(data["steps"]):
+        points.append((f"steps[{index}].chosen", step["chosen"]))
+        points += [(f"steps[{index}].within_noise", item) for item in step["within_noise"]]
+        points += [(f"steps[{index}].predictions", item) for item in step["predictions"]]
+    for where, point in points:
+        assert point["sparsity_ratio"] == budget_ratio(point["budget"], prefix), where
+    # Each size's race picked the configuration its schedule entry describes, with the
+    # entry's figures.
+    for entry in data["schedule"]:
+        races = [s for s in data["steps"]
+                 if s["name"] == RACE and s["batch_size"] == entry["batch_size"]]
+        assert len(races) == 1, entry["batch_size"]
+        chosen = races[0]["chosen"]
+        config = entry["config"] if entry["config"] != "vanilla" else entry["measured"]
+        assert (chosen["drafter"], chosen["gamma"], chosen["budget"]) == (
+            config["drafter"], config["gamma"], config["min_tokens"])
+        assert chosen["speedup"] == entry["results"]["speedup"]
+        assert [chosen["speedup_low"], chosen["speedup_high"]] == \
+            entry["results"]["speedup_interval"]
+
+
+def test_example_steps_run_per_batch_size_in_order():
+    """Every step has a batch size; the list is sorted smallest size first, each size's
+    steps in the tuner's order, and ends in a race."""
+    steps = example()["steps"]
+    assert all(step["batch_size"] is not None for step in steps)
+    keys = [(step["batch_size"], STEPS.index(step["name"])) for step in steps]
+    assert keys == sorted(keys)
+    for step in steps:
+        assert step["study"].endswith(f":{step['name']}@{step['batch_size']}")
+        if step["name"] != RACE:
+            assert not step["predictions"] and not step["within_noise"] and not step["edges"]
 
 
 # --- the field tables -----------------------------------------------------------------
@@ -274,10 +328,57 @@ def test_every_model_has_a_field_table_naming_exactly_its_fields():
             f"naming `{heading}`, where its fields are tabled")
 
 
-@pytest.mark.parametrize("stale", ["vegas-tune run", "LlamaForCausalLM", "name: options",
-                                   "name: budget"])
+@pytest.mark.parametrize("stale", [
+    "vegas-tune run", "LlamaForCausalLM", "name: options", "name: budget",
+    # steps and options of earlier tuners
+    "name: sparsity", "name: gamma", "name: refine", "name: costs", "name: baselines",
+    "step `sparsity`", "step `gamma`", "step `refine`", "`costs`", "`baselines`",
+    "--sparsity-grid", "--gamma-max", "--gamma-candidates", "--refine-trials",
+    "GammaPrediction", "cheapest",
+])
 def test_doc_names_nothing_the_tool_does_not_write(stale):
     assert stale not in doc_text()
+
+
+def steps_table() -> list[tuple[str, str, str]]:
+    """(step, what it measures, what ``chosen`` holds) rows of the steps table."""
+    lines = doc_text().splitlines()
+    start = lines.index("| step | what it measures | `chosen` holds |")
+    rows = []
+    for row in lines[start + 2:]:
+        if not row.startswith("|"):
+            break
+        cells = [cell.strip() for cell in row.split("|")[1:-1]]
+        rows.append((cells[0].strip("`"), cells[1], cells[2]))
+    return rows
+
+
+def test_steps_table_names_the_tuner_steps_and_their_chosen_keys():
+    rows = steps_table()
+    assert [name for name, _, _ in rows] == list(STEPS)
+    # Each step's chosen keys, as the example writes them, are named in its row.
+    data = example()
+    for name, _, holds in rows:
+        keys = {key for step in data["steps"] if step["name"] == name for key in step["chosen"]}
+        assert keys, f"the example has no {name} step"
+        for key in keys:
+            assert f"`{key}`" in holds, f"{name}: chosen key {key!r} not in the steps table"
+
+
+def test_doc_names_the_tune_options_that_exist():
+    """Every tune option the doc names in backticks exists (``TuneOptions``), or is one of
+    the workload's or the other commands'."""
+    from vegas_tune.options import option_names
+
+    flags = set(re.findall(r"`(--[a-z][a-z-]*)", doc_text()))
+    known = {"--" + name.replace("_", "-") for name in option_names()}
+    others = {"--batch-size", "--ctx", "--max-new-tokens", "--out", "--storage", "--resume",
+              "--model", "--serve-batch", "--force", "--target", "--format", "--tolerance",
+              "--profile", "--prompt", "--drafter", "--config",
+              "--speculative-config"}  # the last is vLLM's
+    assert flags - known - others == set()
+    assert {"--target", "--budgets", "--probe-gamma", "--candidates", "--max-rounds",
+            "--precision", "--time-budget"} <= flags
 
 
 def test_doc_states_this_schema_version():

@@ -12,6 +12,8 @@ import torch
 
 from vegas_core import SpecConfig, generate
 from vegas_core.spec_config import COLLECT, DRAFTERS, GRANULARITIES, SCORES
+from vegas_tune.options import TuneOptions
+from vegas_tune.space import Point, longest_prefix, selections
 from tests.test_engine import tiny_model
 
 
@@ -188,3 +190,14 @@ def test_the_sampling_check_detects_a_wrong_distribution():
     counts = torch.bincount(tokens[:, 0] * VOCAB + tokens[:, 1], minlength=VOCAB**2).double()
     stat, df = chi2_statistic(counts, exact.reshape(-1))
     assert stat > chi2_critical(df)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("selection", selections("vegas"), ids=lambda s: s.words())
+def test_every_configuration_the_tuner_can_choose_is_lossless(smollm, short_batch, selection):
+    """Each selection rule of either target (the vegas target's are a superset of the vllm
+    target's), with a budget written in slots as the tuner writes it, at its probe gamma."""
+    prompts, vanilla = short_batch
+    spec = Point(selection, 48, TuneOptions().probe_gamma).spec(longest_prefix(600, 16))
+    out = generate(smollm, prompts, max_new_tokens=16, ignore_eos=True, spec=spec)
+    assert out.tokens == vanilla

@@ -9,8 +9,8 @@ import statistics
 
 import pytest
 
-from vegas_tune.measure import interleave
-from vegas_tune.stats import Estimate, choose_within_noise, estimate, t_quantile
+from vegas_tune.measure import interleave, race
+from vegas_tune.stats import Estimate, estimate, t_quantile
 
 
 def test_interval_is_a_t_interval_of_the_logarithms():
@@ -55,17 +55,6 @@ def test_overlap_and_below():
     assert Estimate.from_attrs({"speedup": 1.0}, "speedup") is None
 
 
-def test_choice_goes_to_the_cheapest_within_noise_and_to_the_best_otherwise():
-    estimates = {"big": Estimate(1.5, 1.45, 1.55, 5), "small": Estimate(1.47, 1.40, 1.52, 5),
-                 "tiny": Estimate(1.2, 1.1, 1.3, 5)}
-    cost = {"big": (8,), "small": (2,), "tiny": (1,)}
-    chosen, tied = choose_within_noise(list(estimates), estimates.get, cost.get)
-    assert chosen == "small" and tied == ["big"]
-    estimates["small"] = Estimate(1.3, 1.28, 1.32, 5)
-    chosen, tied = choose_within_noise(list(estimates), estimates.get, cost.get)
-    assert chosen == "big" and tied == []
-
-
 class _Recorder:
     def __init__(self):
         self.calls = []
@@ -84,3 +73,17 @@ def test_interleave_rotates_the_order_and_stops_when_told():
     recorder = _Recorder()
     interleave(recorder, {"a": "A", "b": "B"}, max_rounds=2, after_round=lambda d, s: False)
     assert recorder.calls == ["A", "B", "B", "A"]
+
+
+def test_a_race_measures_only_what_is_still_racing_and_keeps_the_dropped_rounds():
+    recorder = _Recorder()
+
+    def decide(done, samples):
+        # After round 2, "c" drops out; after round 3 the race ends.
+        return set() if done == 3 else ({"v", "a", "b"} if done == 2 else {"v", "a", "b", "c"})
+
+    samples = race(recorder, {"v": "V", "a": "A", "b": "B", "c": "C"}, max_rounds=8,
+                   decide=decide)
+    assert recorder.calls == ["V", "A", "B", "C", "A", "B", "C", "V", "B", "V", "A"]
+    assert {name: len(rounds) for name, rounds in samples.items()} == {"v": 3, "a": 3, "b": 3,
+                                                                        "c": 2}

@@ -22,9 +22,9 @@ from vegas_tune.tuner import Tuner
 
 # Small enough for seconds per trial on the CPU, big enough to exercise every step.
 FAST = ["--model", "dummy:tiny", "--ctx", "512", "--num-prompts", "2", "--max-new-tokens", "12",
-        "--probe-gamma", "4", "--gamma-max", "4", "--gamma-candidates", "2",
-        "--sparsity-grid", "0.05,0.2", "--refine-trials", "3", "--min-tokens", "8",
-        "--device", "cpu"]
+        "--probe-gamma", "4", "--budgets", "32,64", "--candidates", "2", "--device", "cpu"]
+# Many sweep points: a run that is still sweeping when a test interrupts it.
+MANY_BUDGETS = ",".join(str(b) for b in range(32, 512, 16))
 
 
 def run(argv, capsys):
@@ -54,13 +54,16 @@ def test_tune_writes_a_valid_profile_and_its_files(tuned_profile, capsys):
     code, stdout, _ = run(["validate", str(out)], capsys)
     assert code == 0 and "valid" in stdout
     profile = yaml.safe_load(out.read_text())
-    assert profile["model"]["dummy"] is True
-    assert [s["name"] for s in profile["steps"]] == ["sparsity", "gamma", "refine"]
-    assert profile["tuned"]["gamma"] in (1, 2, 3, 4)
-    gamma_step = profile["steps"][1]
-    # Every gamma up to 4 at both step-1 ratios predicted; the two best measured.
-    assert len(gamma_step["predictions"]) == 8
-    assert sum(p["measured_tokens_per_second"] is not None for p in gamma_step["predictions"]) == 2
+    assert profile["model"]["dummy"] is True and profile["target"] == "vllm"
+    names = [s["name"] for s in profile["steps"]]
+    assert names in (["sweep", "race"], ["sweep", "extend", "race"])
+    # The sweep: vanilla, both fork selections at both budgets, and the short probe.
+    assert profile["steps"][0]["trials"] == 1 + 2 * 2 + 1
+    race = profile["steps"][-1]
+    raced = [p for p in race["predictions"] if p["measured_tokens_per_second"] is not None]
+    # The two best predictions, and the best of the drafter they left out.
+    assert 2 <= len(raced) <= 3 and {p["drafter"] for p in raced} == {"vegas", "streaming"}
+    assert profile["tuned"]["min_tokens"] in (32, 64, 128)
     assert [e["batch_size"] for e in profile["schedule"]] == [1]
     r = profile["results"]
     assert r["speedup"] == pytest.approx(r["tokens_per_second"] / r["vanilla_tokens_per_second"],
@@ -71,18 +74,24 @@ def test_tune_writes_a_valid_profile_and_its_files(tuned_profile, capsys):
 def test_show_export_and_diff(tuned_profile, tmp_path, capsys):
     out, _, _ = tuned_profile
     code, stdout, _ = run(["show", str(out)], capsys)
-    assert code == 0 and "tuned: vegas gamma" in stdout
-    recommended = yaml.safe_load(out.read_text())["recommended"]
-    code, stdout, err = run(["export", str(out), "--target", "vllm"], capsys)
+    assert code == 0 and "tuned for vllm: " in stdout and " slots, gamma " in stdout
+    profile = yaml.safe_load(out.read_text())
+    recommended, drafter = profile["recommended"], profile["tuned"]["drafter"]
+    code, stdout, err = run(["export", str(out)], capsys)  # the profile's own target: vllm
     serve = yaml.safe_load(stdout)
     # A profile that is not recommended exports vanilla serving, and says so.
     assert code == 0 and ("speculative-config" in serve) == recommended
     assert recommended or "runs vanilla" in err
     code, stdout, _ = run(["export", str(out), "--target", "vllm", "--force"], capsys)
-    assert code == 0 and yaml.safe_load(stdout)["speculative-config"]["sparse_attn_algorithm"] == "vegas"
-    code, stdout, _ = run(["export", str(out), "--target", "vegas", "--format", "json", "--force"],
-                          capsys)
-    assert code == 0 and json.loads(stdout)["drafter"] == "vegas"
+    algorithm = {"vegas": "vegas", "streaming": "streamingllm"}[drafter]
+    assert code == 0 and yaml.safe_load(stdout)["speculative-config"]["sparse_attn_algorithm"] == algorithm
+    # Another target than the profile's serves what was not measured: refused, one line.
+    code, _, err = run(["export", str(out), "--target", "vegas"], capsys)
+    assert code == 2 and "tuned for --target vllm" in err and err.count("\n") == 1
+    code, stdout, err = run(["export", str(out), "--target", "vegas", "--format", "json",
+                             "--force"], capsys)
+    assert code == 0 and json.loads(stdout)["drafter"] == drafter
+    assert "was tuned for vllm" in err
     code, stdout, _ = run(["diff", str(out), str(out)], capsys)
     assert code == 0
     worse = yaml.safe_load(out.read_text())
@@ -96,7 +105,8 @@ def test_show_export_and_diff(tuned_profile, tmp_path, capsys):
     assert code == 1 and "tokens_per_second" in stdout
 
 
-def completed_trials(storage: str, study: str) -> list[tuple[int, dict, float]]:
+def completed_trials(storage: str, study: str) -> list[tuple[int, str, float]]:
+    """(number, what it measured, value) of a study's complete trials."""
     import optuna
     from optuna.storages.journal import JournalFileBackend, JournalStorage
 
@@ -104,50 +114,50 @@ def completed_trials(storage: str, study: str) -> list[tuple[int, dict, float]]:
         s = optuna.load_study(study_name=study, storage=JournalStorage(JournalFileBackend(storage)))
     except KeyError:
         return []
-    return [(t.number, t.params["sparsity"], t.value) for t in s.get_trials(
+    return [(t.number, t.user_attrs["claim"], t.value) for t in s.get_trials(
         deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))]
 
 
 def test_killed_run_resumes_without_repeating_finished_trials(tmp_path):
     out = tmp_path / "p.yaml"
     storage = str(tmp_path / "study.journal")
-    # Enough grid points that the step is still running when the kill lands, however
+    # Enough sweep points that the step is still running when the kill lands, however
     # slowly this process polls the storage on a loaded machine.
-    points = "0.02,0.03,0.05,0.07,0.1,0.13,0.16,0.2,0.25,0.3,0.35,0.4".split(",")
-    grid = ["--sparsity-grid", ",".join(points)]
-    argv = [sys.executable, "-m", "vegas_tune.cli", *FAST, *grid, "--ctx", "2k",
+    budgets = "32,48,64,96,128,160,192,256,320,384"
+    points = 1 + 2 * len(budgets.split(",")) + 1  # vanilla, 2 selections, the short probe
+    argv = [sys.executable, "-m", "vegas_tune.cli", *FAST, "--budgets", budgets, "--ctx", "2k",
             "--num-prompts", "3", "--out", str(out), "--storage", storage,
             "--study-name", "kill"]
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
     before = []
     while time.time() < deadline and proc.poll() is None:
-        before = completed_trials(storage, "kill:sparsity")
+        before = completed_trials(storage, "kill:sweep@1")
         if len(before) >= 2:
             break
         time.sleep(0.2)
     assert proc.poll() is None, "the run finished before it could be killed; make it slower"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    before = completed_trials(storage, "kill:sparsity")
-    assert 2 <= len(before) < len(points)
+    before = completed_trials(storage, "kill:sweep@1")
+    assert 2 <= len(before) < points
     fresh = subprocess.run(argv, capture_output=True, text=True, timeout=600)
     assert fresh.returncode == 2 and "--resume" in fresh.stderr  # refuses to overwrite
     resumed = subprocess.run([*argv, "--resume"], capture_output=True, text=True, timeout=600)
     assert resumed.returncode in (0, 3), resumed.stderr
-    after = completed_trials(storage, "kill:sparsity")
+    after = completed_trials(storage, "kill:sweep@1")
     assert set(before) <= set(after)  # finished trials kept as they were
-    values = sorted(sparsity for _, sparsity, _ in after)
-    assert values == sorted(map(float, points))  # each grid point measured exactly once
+    claims = [claim for _, claim, _ in after]
+    assert len(claims) == len(set(claims)) == points  # each point measured exactly once
     assert out.is_file()
 
 
 def test_ctrl_c_exits_130_and_keeps_trials(tmp_path):
     storage = str(tmp_path / "study.journal")
-    # Many refine trials: the run must still be going when the interrupt lands, however
+    # Many sweep points: the run must still be going when the interrupt lands, however
     # slowly this process polls the storage on a loaded machine.
     argv = [sys.executable, "-m", "vegas_tune.cli", *FAST, "--ctx", "2k", "--num-prompts", "3",
-            "--sparsity-grid", "0.02,0.05,0.1,0.2,0.3", "--refine-trials", "200",
+            "--budgets", MANY_BUDGETS,
             "--out", str(tmp_path / "p.yaml"), "--storage", storage, "--study-name", "int"]
     # As from a terminal: SIGINT at its default, also when this test runs under a parent
     # that ignores it (a background job of a non-interactive shell), which the child would
@@ -155,13 +165,13 @@ def test_ctrl_c_exits_130_and_keeps_trials(tmp_path):
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 300
-    while time.time() < deadline and len(completed_trials(storage, "int:sparsity")) < 1:
+    while time.time() < deadline and len(completed_trials(storage, "int:sweep@1")) < 3:
         time.sleep(0.2)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
     assert "--resume" in err and "Traceback" not in err
-    assert len(completed_trials(storage, "int:sparsity")) >= 1
+    assert len(completed_trials(storage, "int:sweep@1")) >= 3
     # The finished trials still make a profile, which says it was cut short.
     profile = yaml.safe_load((tmp_path / "p.yaml").read_text())
     assert any("Ctrl-C" in line for line in profile["cut_short"])
@@ -179,9 +189,10 @@ def test_ctrl_c_while_a_finished_trial_is_being_written_stops_at_the_next_one(
     interrupted = []
 
     def interrupt_while_writing(self, trial_id, state, values=None):
-        if state == TrialState.COMPLETE and not interrupted:
+        if state == TrialState.COMPLETE:
             interrupted.append(trial_id)
-            signal.raise_signal(signal.SIGINT)  # handled before the write below starts
+            if len(interrupted) == 2:  # vanilla, then the first speculative run
+                signal.raise_signal(signal.SIGINT)  # handled before the write below starts
         return write(self, trial_id, state, values)
 
     monkeypatch.setattr(JournalStorage, "set_trial_state_values", interrupt_while_writing)
@@ -192,22 +203,30 @@ def test_ctrl_c_while_a_finished_trial_is_being_written_stops_at_the_next_one(
     finally:
         signal.signal(signal.SIGINT, previous)
     assert code == 130, err
-    assert interrupted and "internal error" not in err
-    assert len(completed_trials(str(tmp_path / "s.journal"), "int:sparsity")) == 1
+    assert len(interrupted) == 2 and "internal error" not in err
+    assert len(completed_trials(str(tmp_path / "s.journal"), "int:sweep@1")) == 2
     profile = yaml.safe_load((tmp_path / "p.yaml").read_text())
-    assert any("sparsity: 1 of 2 trials finished when Ctrl-C" in line
+    assert any("sweep at batch 1: 2 of 6 trials finished when Ctrl-C" in line
                for line in profile["cut_short"])
+    # One run beside one vanilla run has no interval: the profile runs vanilla.
+    assert profile["schedule"][0]["config"] == "vanilla"
 
 
 def fake_measurement(tokens_per_second: float, accepted: float = 2.0,
                      gamma: int = 4) -> Measurement:
+    """A measurement of ``tokens_per_second`` whose iterations take as long as that rate
+    says (8 steady iterations of 80 tokens at 100 tokens/s: 0.1 s each), so the tuner's
+    cost model ranks configurations as their throughputs do."""
+    rates = [0.5, 0.3, 0.1, 0.1]
     return Measurement(tokens_per_second=tokens_per_second,
-                       completion_tokens_per_second=0.9 * tokens_per_second, decode_seconds=1.0,
-                       decode_tokens=int(tokens_per_second), steady_seconds=0.8,
+                       completion_tokens_per_second=0.9 * tokens_per_second,
+                       decode_seconds=100.0 / tokens_per_second,
+                       decode_tokens=int(tokens_per_second),
+                       steady_seconds=80.0 / tokens_per_second,
                        steady_tokens=int(0.8 * tokens_per_second), iterations=10,
                        steady_iterations=8, prefill_seconds=0.1, wall_seconds=1.2,
                        mean_accepted_length=accepted,
-                       acceptance_by_position=[0.5, 0.3, 0.1, 0.1, 0.0, 0.0, 0.0, 0.0][:gamma],
+                       acceptance_by_position=(rates + [0.0] * gamma)[:gamma],
                        selection_overhead=0.01, draft_step_seconds=0.01,
                        verify_step_seconds=0.02, selection_step_seconds=0.001,
                        decode_step_seconds=0.01)
@@ -259,13 +278,13 @@ def test_nothing_beats_vanilla_exits_3_with_recommended_false(tmp_path, monkeypa
 
 def test_out_of_memory_trial_is_recorded_and_tuning_goes_on(tmp_path, monkeypatch, capsys):
     def measure(self, spec, report=None):
-        if spec is not None and spec.sparsity == 0.2 and spec.gamma == 4:
+        if spec is not None and spec.min_tokens == 64 and spec.gamma == 4:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB")
         return fake_measurement(120.0 if spec is not None else 100.0, gamma=spec.gamma if spec else 0)
 
     monkeypatch.setattr("vegas_tune.measure.Measurer.measure", measure)
     out = tmp_path / "p.yaml"
-    code, _, _ = run([*FAST, "--out", str(out), "--refine-trials", "2"], capsys)
+    code, _, _ = run([*FAST, "--out", str(out)], capsys)
     assert code == 0
     trials = (tmp_path / "p.trials.csv").read_text()
     assert "out of memory" in trials and "FAIL" in trials
@@ -280,7 +299,10 @@ def test_out_of_memory_trial_is_recorded_and_tuning_goes_on(tmp_path, monkeypatc
     (["--batch-size", "1,-3"], "every size must be >= 1, got -3"),
     (["--batch-size", "1,16,16"], "16 is given twice"),
     (["--batch-size", "1,many"], "--batch-size '1,many' is not a whole number"),
-    (["--sparsity-grid", "0.1,2"], "--sparsity-grid"),
+    (["--budgets", "0.1,2"], "--budgets '0.1,2': give comma-separated slot counts"),
+    (["--budgets", "16,64"], "every budget must be >= 32 slots"),
+    (["--budgets", "512,1024"], "every budget covers the whole 512-token prompt"),
+    (["--target", "sglang"], "--target 'sglang': choose one of vllm, vegas"),
 ])
 def test_bad_tune_input(argv, fragment, tmp_path, capsys):
     code, _, err = run([*FAST, "--out", str(tmp_path / "p.yaml"), *argv], capsys)
@@ -328,29 +350,111 @@ def test_measurements_repeat_interleaved_with_vanilla_and_noise_is_not_recommend
     for name in ("tokens_per_second", "vanilla_tokens_per_second", "streaming_tokens_per_second",
                  "speedup_over_streaming"):
         assert r[f"{name}_interval"][0] <= r[name] <= r[f"{name}_interval"][1]
-    # The last measurements are the baselines: vanilla, tuned and streaming in rotating order.
-    kinds = ["vanilla" if s is None else s.drafter for s in measure.calls[-18:]]
-    assert kinds[:6] == ["vanilla", "vegas", "streaming", "vegas", "streaming", "vanilla"]
+    # The race: every round measures vanilla beside each configuration still racing, in
+    # rotating order; nobody drops out of a race the noise cannot decide.
+    rounds = [measure.calls[i:i + 4] for i in range(len(measure.calls) - 24, len(measure.calls), 4)]
+    assert all(sum(spec is None for spec in one) == 1 for one in rounds)
+    assert [one.index(None) for one in rounds[:4]] == [0, 3, 2, 1]
 
 
-def test_configurations_within_noise_go_to_the_cheapest(tmp_path, monkeypatch, capsys):
-    # Every gamma above 1 is equally fast: the smallest of them is chosen, the others are
-    # reported as within noise; gamma 1 is measured slower and stops early.
-    measure = noisy_measure(lambda spec: 1.0 if spec.gamma == 1 else 1.5)
+def test_configurations_the_data_cannot_order_are_measured_more_then_the_higher_mean_taken(
+        tmp_path, monkeypatch, capsys):
+    # Every configuration is equally fast: the race runs every round it may, and the pick
+    # is the highest mean, whatever its gamma or budget; the others are within noise.
+    measure = noisy_measure(lambda spec: 1.5)
     monkeypatch.setattr("vegas_tune.measure.Measurer.measure", measure)
     out = tmp_path / "p.yaml"
-    code, _, err = run([*FAST, "--out", str(out), "--gamma-candidates", "4",
-                        "--sparsity-grid", "0.05"], capsys)
+    code, _, err = run([*FAST, "--out", str(out), "--candidates", "3", "--precision",
+                        "0.001"], capsys)
     assert code == 0, err
     profile = yaml.safe_load(out.read_text())
-    gamma_step = profile["steps"][1]
-    assert profile["tuned"]["gamma"] == gamma_step["chosen"]["gamma"] == 2
-    assert sorted(row["gamma"] for row in gamma_step["within_noise"]) == [3, 4]
-    chosen = gamma_step["chosen"]
-    assert chosen["speedup_low"] < chosen["speedup"] < chosen["speedup_high"]
-    assert chosen["speedup"] == pytest.approx(1.5, rel=0.05)
-    measured = {p["gamma"]: p for p in gamma_step["predictions"]}
-    assert measured[1]["measured_speedup_interval"][1] < 1.5
+    race = profile["steps"][-1]
+    assert race["name"] == "race" and race["chosen"]["rounds"] == 8
+    raced = [p for p in race["predictions"] if p["measured_speedup"] is not None]
+    assert race["chosen"]["speedup"] == max(p["measured_speedup"] for p in raced)
+    assert len(race["within_noise"]) == len(raced) - 1
+    assert "the higher mean taken" in race["notes"]
+
+
+def test_a_configuration_below_the_leader_drops_out_of_the_race(tmp_path, monkeypatch, capsys):
+    # One configuration is clearly fastest: the others' intervals fall below it after the
+    # minimum rounds and they are measured no more.
+    measure = noisy_measure(lambda spec: 2.0 if (spec.drafter, spec.min_tokens, spec.gamma)
+                            == ("vegas", 64, 4) else 1.2, noise=0.01)
+    monkeypatch.setattr("vegas_tune.measure.Measurer.measure", measure)
+    out = tmp_path / "p.yaml"
+    code, _, err = run([*FAST, "--out", str(out), "--candidates", "3"], capsys)
+    assert code == 0, err
+    profile = yaml.safe_load(out.read_text())
+    assert profile["tuned"]["gamma"] == 4 and profile["results"]["rounds"] == 3
+    rows = [t for t in csv_rows(tmp_path / "p.trials.csv") if t["step"] == "race"]
+    assert {int(float(t["rounds"])) for t in rows} == {3}
+
+
+def test_the_best_streaming_configuration_is_what_over_streaming_compares_with(
+        tmp_path, monkeypatch, capsys):
+    # Streaming at the larger budget is the best streaming configuration; vegas wins.
+    def speedup(spec):
+        if spec.drafter == "streaming":
+            return 1.2 if spec.min_tokens == 64 else 1.1
+        return 1.5
+
+    monkeypatch.setattr("vegas_tune.measure.Measurer.measure", noisy_measure(speedup, noise=0.01))
+    out = tmp_path / "p.yaml"
+    code, _, err = run([*FAST, "--out", str(out), "--candidates", "4"], capsys)
+    assert code == 0, err
+    r = yaml.safe_load(out.read_text())["results"]
+    assert r["speedup_over_streaming"] == pytest.approx(1.5 / 1.2, rel=0.03)
+    assert r["tokens_per_second"] / r["streaming_tokens_per_second"] == pytest.approx(
+        r["speedup_over_streaming"], rel=0.01)
+
+
+def test_a_pick_on_the_edge_of_an_axis_extends_it_once_and_the_profile_names_the_edge(
+        tmp_path, monkeypatch, capsys):
+    # Throughput grows with the budget and with gamma: the largest budget and the probe
+    # gamma are edges. The tuner measures the next budget out (twice the largest) and a
+    # longer gamma, once, and the pick there is named as lying on the edge.
+    monkeypatch.setattr("vegas_tune.measure.Measurer.measure", noisy_measure(
+        lambda spec: 1.0 + spec.min_tokens / 100 + spec.gamma / 10, noise=0.005))
+    out = tmp_path / "p.yaml"
+    code, _, err = run([*FAST, "--out", str(out), "--candidates", "2"], capsys)
+    assert code == 0, err
+    profile = yaml.safe_load(out.read_text())
+    extend = next(s for s in profile["steps"] if s["name"] == "extend")
+    assert "budget up to 128 slots" in extend["notes"] and "gamma up to 5" in extend["notes"]
+    rows = [t for t in csv_rows(tmp_path / "p.trials.csv") if t["step"] == "extend"]
+    assert {(int(float(t["budget"])), int(float(t["gamma"]))) for t in rows} >= {(128, 4)}
+    race = profile["steps"][-1]
+    assert any(edge.startswith("budget: ") for edge in race["edges"])
+    assert "Search edges" in (tmp_path / "p.report.md").read_text()
+
+
+def test_the_vllm_target_measures_only_what_the_fork_runs(tmp_path, monkeypatch, capsys):
+    measure = noisy_measure(lambda spec: 1.4)
+    monkeypatch.setattr("vegas_tune.measure.Measurer.measure", measure)
+    out = tmp_path / "p.yaml"
+    code, _, err = run([*FAST, "--out", str(out)], capsys)
+    assert code == 0, err
+    from vegas_tune.space import fits_target
+
+    measured = [spec for spec in measure.calls if spec is not None]
+    assert measured and all(fits_target(spec, "vllm") is None for spec in measured)
+    assert {spec.drafter for spec in measured} == {"vegas", "streaming"}
+    # The vegas target searches scores and windows too.
+    measure = noisy_measure(lambda spec: 1.4)
+    monkeypatch.setattr("vegas_tune.measure.Measurer.measure", measure)
+    code, _, err = run([*FAST, "--out", str(tmp_path / "q.yaml"), "--target", "vegas"], capsys)
+    assert code == 0, err
+    assert {(s.score, s.window) for s in measure.calls if s is not None and s.drafter == "vegas"
+            } >= {("logit", 0.0), ("weight", 0.75)}
+    assert yaml.safe_load((tmp_path / "q.yaml").read_text())["target"] == "vegas"
+
+
+def csv_rows(path) -> list[dict]:
+    import csv
+
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
 
 
 def test_resume_refuses_another_workload_and_new_study_replaces_it(tmp_path, monkeypatch, capsys):
@@ -450,18 +554,14 @@ def test_batch_list_measures_acceptance_once_and_writes_a_schedule(tmp_path, mon
     ranges = [(e["batch_min"], e["batch_max"], e["batch_size"]) for e in profile["schedule"]]
     assert ranges == [(1, 3, 1), (4, 7, 4), (8, 8, 8)]
     configs = [e["config"] for e in profile["schedule"]]
-    assert configs[0] == "vanilla" and configs[1]["drafter"] == configs[2]["drafter"] == "vegas"
+    assert configs[0] == "vanilla" and "vanilla" not in configs[1:]
     assert "below 1" in profile["schedule"][0]["reason"]
     assert profile["recommended"] is True and profile["workload"]["batch_size"] == 8
     serve = profile["exports"]["vllm"]["serve_config"]
     assert serve["max-num-seqs"] == 8 and serve["max-model-len"] == 512 + 12
-    # Step 1 (acceptance) ran once, at the smallest size, not once per size.
-    step1 = [(b, s) for b, s in measure.calls if s is not None and s.gamma == 4
-             and s.sparsity in (0.05, 0.2)][:2]
-    assert {b for b, _ in step1} == {1}
-    sparsity_steps = [s for s in profile["steps"] if s["name"] == "sparsity"]
-    assert len(sparsity_steps) == 1 and sparsity_steps[0]["batch_size"] is None
-    assert sorted(s["batch_size"] for s in profile["steps"] if s["name"] == "gamma") == [1, 4, 8]
+    # Each size swept and raced at its own batch size.
+    for step in ("sweep", "race"):
+        assert sorted(s["batch_size"] for s in profile["steps"] if s["name"] == step) == [1, 4, 8]
     # --num-prompts 2: batch 1 decodes those two; larger batches one prompt per sequence,
     # not copies of the two (their greedy sequences would be copies too).
     assert {b: len(p) for b, p in measure.prompts.items()} == {1: 2, 4: 4, 8: 8}
@@ -470,7 +570,8 @@ def test_batch_list_measures_acceptance_once_and_writes_a_schedule(tmp_path, mon
     code, stdout, _ = run(["validate", str(out)], capsys)
     assert code == 0, stdout
     code, stdout, _ = run(["show", str(out)], capsys)
-    assert code == 0 and "batch 1-3: vanilla" in stdout and "batch 4-7: vegas gamma" in stdout
+    assert code == 0 and "batch 1-3: vanilla" in stdout and "batch 4-7: " in stdout
+    assert " slots, gamma " in stdout.split("batch 4-7: ")[1].splitlines()[0]
     # The served concurrency picks the entry: vanilla at 2, speculative at 5.
     code, stdout, err = run(["export", str(out), "--serve-batch", "2"], capsys)
     serve = yaml.safe_load(stdout)
@@ -487,52 +588,32 @@ def test_batch_list_measures_acceptance_once_and_writes_a_schedule(tmp_path, mon
         assert len(err.strip().splitlines()) == 1
 
 
-def tune_1_and_4(speedup_at, tmp_path, monkeypatch, capsys):
-    """A tune at batch sizes 1 and 4 (6 refine trials at 4, 1 at 1) on a fake measure:
-    (the measure, with its calls, and the profile)."""
-    measure = batch_aware_measure(speedup_at)
+def test_sizes_below_the_largest_sweep_the_selections_it_raced(tmp_path, monkeypatch, capsys):
+    # The vegas target: nine selections. The largest size sweeps them all; the sizes below
+    # it sweep the ones the largest size raced, and streaming.
+    measure = batch_aware_measure(lambda batch, spec: 1.2 + 0.3 * spec.window)
     monkeypatch.setattr("vegas_tune.measure.Measurer.measure", measure)
     out = tmp_path / "p.yaml"
-    code, _, err = run([*FAST, "--out", str(out), "--batch-size", "1,4",
-                        "--refine-trials", "6", "--refine-trials-below", "1"], capsys)
+    code, _, err = run([*FAST, "--out", str(out), "--batch-size", "1,4", "--target", "vegas",
+                        "--candidates", "2"], capsys)
     assert code == 0, err
-    return measure, yaml.safe_load(out.read_text())
 
+    def swept(batch):
+        return {(s.drafter, s.score if s.drafter == "vegas" else None, s.window)
+                for b, s in measure.calls if b == batch and s is not None and s.gamma == 4}
 
-def test_the_largest_size_is_refined_and_smaller_sizes_start_from_its_choice(
-        tmp_path, monkeypatch, capsys):
-    # A window pays at every size: the largest size's refine finds it, and the sizes
-    # below try it first instead of searching again.
-    measure, profile = tune_1_and_4(lambda batch, spec: 1.2 + 0.4 * (spec.window > 0),
-                                    tmp_path, monkeypatch, capsys)
-    refine = {s["batch_size"]: s for s in profile["steps"] if s["name"] == "refine"}
-    assert refine[4]["trials"] == 6 and refine[1]["trials"] == 1
-    assert refine[4]["chosen"]["window"] > 0
-    assert "starting from batch 4's choice" in refine[1]["notes"]
-    # The one trial below is the largest size's score and window at batch 1's sparsity.
-    gamma_1 = next(s for s in profile["steps"] if s["name"] == "gamma" and s["batch_size"] == 1)
-    assert refine[1]["chosen"]["window"] == refine[4]["chosen"]["window"]
-    assert refine[1]["chosen"]["sparsity"] == gamma_1["chosen"]["sparsity"]
+    assert len(swept(4)) == 9
+    raced = {(s["drafter"], s["score"] if s["drafter"] == "vegas" else None, s["window"])
+             for s in csv_rows(tmp_path / "p.trials.csv")
+             if s["step"] == "race" and s["batch_size"] == "4" and s["config"] != "vanilla"}
+    raced = {(d, sc, float(w)) for d, sc, w in raced}
+    assert swept(1) == raced | {("streaming", None, 0.0)} and len(swept(1)) < 9
     # The largest size was tuned first; the profile lists the steps smallest size first.
     first_at = [b for b, s in measure.calls if s is None]
     assert first_at[0] == 4, first_at
-    assert [s["batch_size"] for s in profile["steps"]] == [None, 1, 1, 4, 4]
-    code, _, err = run([*FAST, "--out", str(tmp_path / "q.yaml"), "--refine-trials-below",
-                        "-1"], capsys)
-    assert code == 2 and "--refine-trials-below must be >= 0, got -1" in err
-
-
-def test_a_smaller_size_where_the_largest_sizes_choice_loses_keeps_its_own(
-        tmp_path, monkeypatch, capsys):
-    # A window pays at batch 4 and halves the speedup at batch 1: batch 1's one refine
-    # trial is pruned against its gamma-step winner, which stands.
-    _, profile = tune_1_and_4(
-        lambda batch, spec: 1.2 + (0.4 if batch == 4 else -0.6) * (spec.window > 0),
-        tmp_path, monkeypatch, capsys)
-    assert [e["batch_size"] for e in profile["schedule"]] == [1, 4] and not profile["not_tuned"]
-    at_1, at_4 = (e["config"] for e in profile["schedule"])
-    assert at_4["window"] > 0 and at_1["window"] == 0.0
-    assert 1.1 < profile["schedule"][0]["results"]["speedup"] < 1.3
+    profile = yaml.safe_load(out.read_text())
+    batches = [s["batch_size"] for s in profile["steps"]]
+    assert batches == sorted(batches) and set(batches) == {1, 4}
 
 
 def test_a_size_out_of_memory_is_recorded_and_the_others_go_on(tmp_path, monkeypatch, capsys):
@@ -567,15 +648,15 @@ def test_time_budget_writes_the_best_profile_the_finished_trials_support(
     assert "cut short" in err
     code, stdout, _ = run(["validate", str(out)], capsys)
     assert code == 0, stdout
-    # Out of time during step 1: its finished trial is all there is to say (measured
-    # once, without vanilla), so the profile runs vanilla and says why.
+    # Out of time during the sweep: its fastest finished run beside its vanilla run is all
+    # there is to say (one round each, no interval), so the profile runs vanilla.
     out = tmp_path / "q.yaml"
-    code, _, err = run([*FAST, "--out", str(out), "--time-budget", "0.01"], capsys)
+    code, _, err = run([*FAST, "--out", str(out), "--time-budget", "0.18"], capsys)
     assert code == 3, err
     profile = yaml.safe_load(out.read_text())
     (entry,) = profile["schedule"]
-    assert entry["config"] == "vanilla" and entry["results"]["speedup"] is None
-    assert entry["results"]["rounds"] == 1 and profile["cut_short"][0].startswith("sparsity")
+    assert entry["config"] == "vanilla" and entry["results"]["speedup_interval"] is None
+    assert entry["results"]["rounds"] == 1 and profile["cut_short"][0].startswith("sweep")
 
 
 def test_time_budget_counts_from_the_start_of_the_run(tmp_path, monkeypatch, capsys):
@@ -618,9 +699,8 @@ def test_time_budget_with_no_finished_trial_exits_2_and_writes_nothing(tmp_path,
 
     monkeypatch.setattr("vegas_tune.measure.Measurer.measure", failing)
     out = tmp_path / "p.yaml"
-    code, _, err = run([*FAST, "--out", str(out), "--sparsity-grid",
-                        ",".join(str(0.01 * k) for k in range(1, 30)), "--time-budget", "0.3"],
-                       capsys)
+    code, _, err = run([*FAST, "--out", str(out), "--budgets", MANY_BUDGETS,
+                        "--time-budget", "0.3"], capsys)
     assert code == 2 and not out.exists()
     lines = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and "before any trial finished" in lines[0], err

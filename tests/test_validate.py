@@ -57,11 +57,23 @@ def with_gamma(data: dict, gamma: int) -> dict:
     return sync_headline(data)
 
 
-def not_recommended_dict() -> dict:
-    """The sample with its headline (batch 64) running vanilla: it lost to vanilla."""
-    data = sample_profile_dict()
+def not_recommended_dict(target: str = "vegas") -> dict:
+    """The sample with its headline (batch 64) running vanilla: it lost to vanilla. With
+    target ``vllm``, tuned as for the fork (``vllm_target``)."""
+    data = sample_profile_dict() if target == "vegas" else vllm_target(sample_profile_dict())
     data["recommended"] = False
     data["results"].update(speedup=0.38, speedup_interval=[0.35, 0.41])
+    return sync_headline(data)
+
+
+def vllm_target(data: dict) -> dict:
+    """The sample tuned for the vLLM fork: its configurations with the fork's fixed
+    choices (softmax-weight scores, no window)."""
+    data["target"] = "vllm"
+    for config in [data["tuned"]] + [e.get(k) for e in data["schedule"]
+                                     for k in ("config", "measured")]:
+        if isinstance(config, dict):
+            config.update(score="weight", window=0.0)
     return sync_headline(data)
 
 
@@ -274,7 +286,7 @@ def test_sensible_values_are_accepted(tmp_path, capsys, loc, value):
     data = with_gamma(data, data["tuned"]["gamma"]) if loc[0] == "tuned" else sync_headline(data)
     code, stdout, stderr = run(["validate", str(write(tmp_path, data))], capsys)
     assert code == 0, stderr
-    assert stdout.count("\n") == 1 and ": valid (schema 3;" in stdout
+    assert stdout.count("\n") == 1 and ": valid (schema 4;" in stdout
     assert f"recommended {str(data['recommended']).lower()})" in stdout
 
 
@@ -398,7 +410,7 @@ VANILLA_SERVE = {"model": MODEL_ID, "max-num-seqs": 64, "max-model-len": MAX_MOD
 
 
 def test_not_recommended_vllm_export_is_vanilla_with_one_warning(tmp_path, capsys):
-    path = write(tmp_path, not_recommended_dict())
+    path = write(tmp_path, not_recommended_dict("vllm"))
     code, stdout, stderr = run(["export", str(path), "--target", "vllm"], capsys)
     assert code == 0
     assert yaml.safe_load(stdout) == VANILLA_SERVE
@@ -409,7 +421,7 @@ def test_not_recommended_vllm_export_is_vanilla_with_one_warning(tmp_path, capsy
 @pytest.mark.parametrize("target, fmt", [("vllm", "json"), ("vegas", "json"), ("vegas", "yaml")])
 def test_not_recommended_export_is_null_where_there_is_no_serve_config(tmp_path, capsys,
                                                                        target, fmt):
-    path = write(tmp_path, not_recommended_dict())
+    path = write(tmp_path, not_recommended_dict(target))
     code, stdout, stderr = run(["export", str(path), "--target", target, "--format", fmt],
                                capsys)
     assert code == 0 and stderr.count("\n") == 1 and "warning:" in stderr
@@ -419,7 +431,7 @@ def test_not_recommended_export_is_null_where_there_is_no_serve_config(tmp_path,
 
 @pytest.mark.parametrize("target, key", [("vllm", "speculative-config"), ("vegas", "gamma")])
 def test_force_exports_the_tuned_settings_with_a_note(tmp_path, capsys, target, key):
-    path = write(tmp_path, not_recommended_dict())
+    path = write(tmp_path, not_recommended_dict(target))
     code, stdout, stderr = run(["export", str(path), "--target", target, "--force"], capsys)
     assert code == 0 and key in yaml.safe_load(stdout)
     assert stderr.count("\n") == 1
@@ -429,7 +441,7 @@ def test_force_exports_the_tuned_settings_with_a_note(tmp_path, capsys, target, 
 
 
 def test_export_to_a_file_is_vanilla_too(tmp_path, capsys):
-    path = write(tmp_path, not_recommended_dict())
+    path = write(tmp_path, not_recommended_dict("vllm"))
     out = tmp_path / "serve.yaml"
     code, stdout, stderr = run(["export", str(path), "--out", str(out)], capsys)
     assert code == 0 and stdout == ""
@@ -438,7 +450,7 @@ def test_export_to_a_file_is_vanilla_too(tmp_path, capsys):
 
 
 def test_recommended_export_prints_no_warning(tmp_path, capsys):
-    path = write(tmp_path, sample_profile_dict())
+    path = write(tmp_path, vllm_target(sample_profile_dict()))
     code, stdout, stderr = run(["export", str(path)], capsys)
     assert code == 0 and stderr == ""
     assert yaml.safe_load(stdout)["speculative-config"]["num_speculative_tokens"] == 6
@@ -487,7 +499,7 @@ def test_cut_short_vanilla_headline_without_figures_exports_vanilla():
         "speculative settings")
 
 
-# --- show, diff and validate on schema 3 ---------------------------------------------
+# --- show, diff and validate on schema 4 ---------------------------------------------
 
 def test_show_prints_results_with_their_intervals(tmp_path, capsys):
     path = write(tmp_path, sample_profile_dict())
@@ -495,7 +507,8 @@ def test_show_prints_results_with_their_intervals(tmp_path, capsys):
     assert code == 0
     assert "61.4 tok/s [60.2, 62.6]" in stdout
     assert "vanilla 28.9 tok/s [28.5, 29.3]" in stdout
-    assert "speedup 2.12x [2.05, 2.19] over vanilla, 1.30x [1.26, 1.34] over streaming" in stdout
+    assert ("speedup 2.12x [2.05, 2.19] over vanilla, 1.30x [1.26, 1.34] over the best "
+            "streaming configuration" in stdout)
     assert "means of 5 interleaved rounds, 95% confidence" in stdout
 
 
@@ -504,10 +517,10 @@ def test_validate_success_is_one_line_with_the_speedup_interval(tmp_path, capsys
     code, stdout, _ = run(["validate", str(path)], capsys)
     assert code == 0
     assert stdout.count("\n") == 1 and stdout.endswith("; recommended true)\n"), stdout
-    assert stdout.startswith(f"{path}: valid (schema 3; "), stdout
+    assert stdout.startswith(f"{path}: valid (schema 4; "), stdout
     # The schedule's ranges, then the headline (batch 64) with its speedup interval.
     assert "1-63: vanilla, 64-64: gamma 6" in stdout, stdout
-    assert "gamma 6, sparsity 0.05" in stdout and "speedup 2.12x [2.05, 2.19]" in stdout, stdout
+    assert "256 slots, gamma 6 (ratio 0.05" in stdout and "speedup 2.12x [2.05, 2.19]" in stdout, stdout
 
 
 def test_diff_compares_schema_3_profiles(tmp_path, capsys):

@@ -19,7 +19,7 @@ import yaml
 
 from tests.test_tune_cli import FAST, fake_measurement, run
 
-GRID = "0.02,0.05,0.1,0.2"
+BUDGETS = "32,48,64,96"
 # FAST without its --device: --devices gives each worker one.
 ANY_DEVICE = [a for i, a in enumerate(FAST) if "--device" not in FAST[max(i - 1, 0):i + 1]]
 # Long enough decoding that a trial is still running when the test looks for one.
@@ -31,12 +31,12 @@ ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 def tune_argv(storage: str, out: Path, *extra: str, devices: str | None = None) -> list[str]:
     device = ["--devices", devices] if devices else ["--device", "cpu"]
-    return [sys.executable, "-m", "vegas_tune.cli", *ANY_DEVICE, *device, "--sparsity-grid",
-            GRID, "--storage", storage, "--study-name", "shared", "--out", str(out), *extra]
+    return [sys.executable, "-m", "vegas_tune.cli", *ANY_DEVICE, *device, "--budgets",
+            BUDGETS, "--storage", storage, "--study-name", "shared", "--out", str(out), *extra]
 
 
 def open_storage(url: str):
-    from vegas_tune.tuner import open_storage as tuner_storage
+    from vegas_tune.studies import open_storage as tuner_storage
 
     return tuner_storage(url)
 
@@ -52,8 +52,8 @@ def studies(url: str) -> dict[str, list]:
 
 
 def assert_measured_once(url: str) -> dict[str, list]:
-    """Every claim (grid point, gamma candidate, TPE configuration, baselines run) was
-    measured by exactly one finished trial; the grids are whole."""
+    """Every claim (sweep and extend point, race) was measured by exactly one finished
+    trial; the sweep is whole."""
     from optuna.trial import TrialState
 
     found = studies(url)
@@ -62,12 +62,10 @@ def assert_measured_once(url: str) -> dict[str, list]:
         claims = collections.Counter(t.user_attrs["claim"] for t in finished)
         assert claims and max(claims.values()) == 1, (name, claims)
         assert not any(t.state in (TrialState.RUNNING, TrialState.WAITING) for t in trials)
-    sparsity = [t.params["sparsity"] for t in found["shared:sparsity"]
-                if t.state == TrialState.COMPLETE]
-    assert sorted(sparsity) == sorted(map(float, GRID.split(",")))
-    costs = [t.params["config"] for t in found["shared:costs@1"] if t.state == TrialState.COMPLETE]
-    assert sorted(costs) == ["probe", "short", "sparse", "vanilla"]
-    assert len([t for t in found["shared:baselines@1"] if t.state == TrialState.COMPLETE]) == 1
+    swept = [t for t in found["shared:sweep@1"] if t.state == TrialState.COMPLETE]
+    # vanilla, two selections x the budgets, the short probe
+    assert len(swept) == 1 + 2 * len(BUDGETS.split(",")) + 1
+    assert len([t for t in found["shared:race@1"] if t.state == TrialState.COMPLETE]) == 1
     return found
 
 
@@ -83,10 +81,10 @@ def test_resuming_a_study_another_worker_is_creating_is_allowed(tmp_path):
     import optuna
 
     from vegas_core.errors import VegasError
-    from vegas_tune.tuner import check_study, open_storage
+    from vegas_tune.studies import check_study, open_storage
 
     storage = open_storage(str(tmp_path / "s.journal"))
-    study = optuna.create_study(storage=storage, study_name="shared:sparsity")
+    study = optuna.create_study(storage=storage, study_name="shared:sweep@1")
     fingerprint = {"ctx": 64}
     check_study(storage, "s.journal", "shared", resume=True, new_study=False,
                 fingerprint=fingerprint)
@@ -158,11 +156,9 @@ def test_a_worker_killed_mid_trial_loses_that_trial_only(tmp_path):
     name, number, claim = killed
     dead = next(t for t in found[name] if t.number == number)
     assert dead.state == TrialState.FAIL
-    # The other worker measured that configuration after all (TPE trials excepted: a
-    # refine configuration is sampled, not owed).
-    if not name.startswith("shared:refine"):
-        assert any(t.user_attrs.get("claim") == claim and t.state == TrialState.COMPLETE
-                   for t in found[name])
+    # The other worker measured that configuration after all.
+    assert any(t.user_attrs.get("claim") == claim and t.state == TrialState.COMPLETE
+               for t in found[name])
 
 
 def test_a_trial_that_never_named_its_worker_is_failed_once_it_is_old(tmp_path, monkeypatch):
@@ -171,7 +167,7 @@ def test_a_trial_that_never_named_its_worker_is_failed_once_it_is_old(tmp_path, 
     import optuna
     from optuna.trial import TrialState
 
-    from vegas_tune import tuner
+    from vegas_tune import studies as tuner
 
     study = optuna.create_study(storage=open_storage(str(tmp_path / "s.journal")),
                                 study_name="orphan")

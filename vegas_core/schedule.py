@@ -12,7 +12,9 @@ from vegas_core.spec_config import SpecConfig
 # Profile schema versions this engine reads. vegas_core cannot import vegas_tune (it sits
 # below it), so the few fields read here are checked here; ``vegas-tune validate`` checks
 # the whole profile.
-PROFILE_SCHEMA = 3
+# Profile schemas whose ``schedule`` this reads (4 added ``target``; the schedule is
+# unchanged since 3), and the one-size schema before them.
+PROFILE_SCHEMAS = (3, 4)
 PROFILE_SCHEMA_UPGRADABLE = 2
 VANILLA = "vanilla"
 # A profile's config mapping: SpecConfig's fields, with ``sparsity`` named ``sparsity_ratio``.
@@ -105,7 +107,7 @@ class SpecSchedule:
         """The schedule of a tuned profile, as parsed from its YAML (plain dicts and
         lists); ``source`` names it in messages (a file name).
 
-        Schema 3 reads ``schedule``: ``config: vanilla`` is None, a mapping is a
+        Schemas 3 and 4 read ``schedule``: ``config: vanilla`` is None, a mapping is a
         ``SpecConfig`` (its ``sparsity_ratio`` is ``sparsity``). Schema 2 (one batch size)
         gives one entry for sizes 1 to ``workload.batch_size``: ``tuned`` where
         ``recommended``, else vanilla. Only these fields are read; missing or bad ones
@@ -116,12 +118,13 @@ class SpecSchedule:
             raise VegasError(f"{source}: not a profile: expected a mapping at the top level, "
                              f"got {kind}")
         version = data.get("schema_version")
-        if version == PROFILE_SCHEMA:
+        if version in PROFILE_SCHEMAS:
             return cls._from_schedule(data, source)
         if version == PROFILE_SCHEMA_UPGRADABLE:
             return cls._from_schema_2(data, source)
+        readable = ", ".join(map(str, (PROFILE_SCHEMA_UPGRADABLE, *PROFILE_SCHEMAS)))
         raise VegasError(f"{source}: schema_version: {version!r} is not one this engine reads "
-                         f"({PROFILE_SCHEMA_UPGRADABLE} or {PROFILE_SCHEMA}); re-run the tuner")
+                         f"({readable}); re-run the tuner")
 
     @classmethod
     def _from_schedule(cls, data: dict, source: str) -> SpecSchedule:

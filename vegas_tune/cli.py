@@ -28,7 +28,10 @@ from vegas_core.cli import EXIT_INTERRUPTED, run_app, show_defaults
 from vegas_core.errors import VegasError
 from vegas_tune.preflight import check_device, check_tune, check_values, flag
 from vegas_tune.progress import ProgressReporter
-from vegas_tune.tuner import TuneOptions, batch_sizes, parse_ctx, sparsity_grid
+from vegas_tune.options import (DEFAULT_WORDS, TuneOptions, option_default, option_default_text,
+                                option_help, option_names, parse_budgets, parse_target)
+from vegas_tune.space import tuned_words
+from vegas_tune.tuner import batch_sizes, parse_ctx
 from vegas_tune.workers import COMMAND_ENV, WORKER_ENV, parse_devices
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
@@ -42,15 +45,12 @@ BENCH_ROUNDS = 3
 MIN_BENCH_ROUNDS = 2
 # Distinct prompts per trial when --num-prompts is not given and the smallest batch is smaller.
 MIN_PROMPTS = 4
-SUBCOMMANDS = ("tune", "bench", "validate", "show", "diff", "export", "doctor")
+SUBCOMMANDS = ("tune", "bench", "grid", "validate", "show", "diff", "export", "doctor")
 ENV_PREFIX = "VEGAS_TUNE_"
 # SpecConfig fields whose errors start with the field's name (``--gamma`` on the CLI).
 SPEC_FIELDS = ("gamma", "sparsity", "window", "min_tokens")
-# The tuner's own defaults, so the CLI's cannot drift from them.
-OPTION_DEFAULTS = TuneOptions()
-
-# name -> (default, parser). Booleans are parsed from "1/true/yes".
-TUNE_DEFAULTS: dict[str, tuple[Any, Any]] = {
+# The workload and the run: name -> (default, parser). Booleans are parsed from "1/true/yes".
+RUN_DEFAULTS: dict[str, tuple[Any, Any]] = {
     "model": ("smollm2-135m", str),
     "ctx": ("4k", parse_ctx),
     "dataset": ("mixed", str),
@@ -61,26 +61,21 @@ TUNE_DEFAULTS: dict[str, tuple[Any, Any]] = {
     "storage": (None, str),
     "study_name": (None, str),
     "resume": (False, "bool"),
-    "time_budget": (None, float),
-    "seed": (0, int),
     "batch_size": ("1", batch_sizes),
     "max_new_tokens": (64, int),
     "temperature": (0.0, float),
     "num_prompts": (None, int),  # None: the smallest batch size, at least MIN_PROMPTS
-    "probe_gamma": (8, int),
-    "gamma_max": (8, int),
-    "sparsity_grid": ("0.01,0.02,0.05,0.1,0.2,0.3", sparsity_grid),
-    "tolerance": (0.03, float),
-    "min_tokens": (256, int),
-    "gamma_candidates": (3, int),
-    "refine_trials": (OPTION_DEFAULTS.refine_trials, int),
-    "refine_trials_below": (OPTION_DEFAULTS.refine_trials_below, int),
-    "max_rounds": (OPTION_DEFAULTS.max_rounds, int),
-    "precision": (OPTION_DEFAULTS.precision, float),
     "new_study": (False, "bool"),
     "json": (False, "bool"),
     "log_level": ("INFO", str),
 }
+# How each of the tuner's options (``vegas_tune.options``, their one home) is parsed.
+OPTION_PARSERS = {"target": parse_target, "budgets": parse_budgets, "probe_gamma": int,
+                  "candidates": int, "max_rounds": int, "precision": float, "seed": int,
+                  "time_budget": float}
+TUNE_DEFAULTS: dict[str, tuple[Any, Any]] = {
+    **RUN_DEFAULTS, **{name: (option_default(name), OPTION_PARSERS[name])
+                       for name in option_names()}}
 
 
 # What --help shows for the settings whose default is None (worked out at run time).
@@ -88,14 +83,16 @@ DEFAULT_DESCRIPTIONS = {
     "out": "profiles/<model>/<gpu>-<ctx>.yaml",
     "storage": "<profile>.optuna.journal beside the profile",
     "study_name": "<model>-<gpu>-<ctx>",
-    "time_budget": "no limit",
     "num_prompts": f"the smallest batch size, at least {MIN_PROMPTS}",
     "devices": "one process, on --device",
+    **DEFAULT_WORDS,
 }
 
 
 def default_text(name: str) -> str:
-    """A tune setting's default as ``--help`` shows it."""
+    """A tune setting's default as ``--help`` and docs/tuning.md show it."""
+    if name in option_names():
+        return option_default_text(name)
     default = TUNE_DEFAULTS[name][0]
     if default is None:
         return DEFAULT_DESCRIPTIONS[name]
@@ -153,8 +150,8 @@ def _parse_setting(name: str, parse: Any, value: Any, label: str) -> Any:
             return _parse_int(value)
         if parse is float:
             return _parse_float(value)
-        if parse in (sparsity_grid, batch_sizes) and isinstance(value, (list, tuple)):
-            value = ",".join(map(str, value))  # a YAML list of ratios or sizes
+        if parse in (parse_budgets, batch_sizes) and isinstance(value, (list, tuple)):
+            value = ",".join(map(str, value))  # a YAML list of budgets or sizes
         return parse(value if parse is not Path else str(value))
     except VegasError as e:
         # The parsers name the flag; a value from elsewhere names its own source.
@@ -243,35 +240,32 @@ def tune(
     study_name: Optional[str] = typer.Option(None, help="Study name prefix."),
     resume: Optional[bool] = typer.Option(None, "--resume", help="Continue the study in the storage."),
     new_study: Optional[bool] = typer.Option(None, "--new-study", help="Discard the study of this name in the storage and start over."),
-    time_budget: Optional[float] = typer.Option(None, help="Seconds for the whole run; when they run out, the profile the finished trials support is written."),
-    seed: Optional[int] = typer.Option(None, help="Seed for samplers and sampling."),
+    time_budget: Optional[float] = typer.Option(None, help=option_help("time_budget")),
+    seed: Optional[int] = typer.Option(None, help=option_help("seed")),
     batch_size: Optional[str] = typer.Option(None, help="Sequences decoded together; a comma-separated list (1,16,64,128,256) tunes each size and writes a schedule."),
     max_new_tokens: Optional[int] = typer.Option(None, help="Tokens generated per prompt."),
     temperature: Optional[float] = typer.Option(None, help="0 = greedy."),
     num_prompts: Optional[int] = typer.Option(None, help="Distinct prompts per trial at batch sizes below it, decoded in batches (a last batch they do not fill wraps around); a larger batch size decodes one distinct prompt per sequence."),
-    probe_gamma: Optional[int] = typer.Option(None, help="Gamma of step 1."),
-    gamma_max: Optional[int] = typer.Option(None, help="Largest gamma of the gamma step."),
-    sparsity_grid: Optional[str] = typer.Option(None, help="Step 1 ratios, comma-separated."),
-    tolerance: Optional[float] = typer.Option(None, help="Step 1: within this share of the plateau, in [0, 1)."),
-    min_tokens: Optional[int] = typer.Option(None, help="Smallest draft budget."),
-    gamma_candidates: Optional[int] = typer.Option(None, help="Gamma step: best predicted (gamma, sparsity) pairs measured at each batch size."),
-    refine_trials: Optional[int] = typer.Option(None, help="Refine step trials at the largest batch size."),
-    refine_trials_below: Optional[int] = typer.Option(None, help="Refine step trials at each smaller size, starting from the largest size's choice (0: keep the gamma step's)."),
-    max_rounds: Optional[int] = typer.Option(None, help="Measurement rounds per configuration, at most."),
-    precision: Optional[float] = typer.Option(None, help="Stop measuring when the confidence interval is within this share of the mean."),
+    target: Optional[str] = typer.Option(None, help=option_help("target")),
+    budgets: Optional[str] = typer.Option(None, help=option_help("budgets")),
+    probe_gamma: Optional[int] = typer.Option(None, help=option_help("probe_gamma")),
+    candidates: Optional[int] = typer.Option(None, help=option_help("candidates")),
+    max_rounds: Optional[int] = typer.Option(None, help=option_help("max_rounds")),
+    precision: Optional[float] = typer.Option(None, help=option_help("precision")),
     json_out: Optional[bool] = typer.Option(None, "--json", help="Print one JSON summary to stdout."),
     log_level: Optional[str] = typer.Option(None, help="DEBUG, INFO, WARNING, ERROR."),
     config: Optional[Path] = typer.Option(None, help="YAML file of option: value (flags and VEGAS_TUNE_<NAME> variables override it)."),
     debug: bool = typer.Option(False, help="Tracebacks and debug logs."),
 ) -> int:
-    """Run the three-step tuner and write a profile, its trials, plots and report."""
+    """Tune (sweep, extend, race at each batch size) and write a profile, its trials,
+    plots and report."""
     from vegas_tune.pipeline import TuneSettings, run_tune
 
     flags = {k: v for k, v in locals().items() if k not in ("config", "debug", "json_out")}
     flags["json"] = json_out
     s = resolve_settings(flags, config)
     # Every check that needs no model runs here, before the minutes of loading and
-    # tuning: a bad value must not surface after step 1 has run.
+    # tuning: a bad value must not surface after the sweep has run.
     check_values(s, s.labels)
     if s["num_prompts"] is None:
         s["num_prompts"] = max(MIN_PROMPTS, s["batch_size"][0])
@@ -282,13 +276,7 @@ def tune(
         raise VegasError(f"{s.labels['devices']} and {s.labels['device']}: give one of them "
                          "(--devices starts a worker per device)")
     _setup_logging(s["log_level"], debug)
-    options = TuneOptions(probe_gamma=s["probe_gamma"], gamma_max=s["gamma_max"],
-                          sparsity_grid=s["sparsity_grid"], tolerance=s["tolerance"],
-                          min_tokens=s["min_tokens"], gamma_candidates=s["gamma_candidates"],
-                          refine_trials=s["refine_trials"],
-                          refine_trials_below=s["refine_trials_below"], seed=s["seed"],
-                          time_budget=s["time_budget"], max_rounds=s["max_rounds"],
-                          precision=s["precision"])
+    options = TuneOptions(**{name: s[name] for name in option_names()})
     settings = TuneSettings(
         model=s["model"], ctx=s["ctx"], dataset=s["dataset"], out=s["out"], device=s["device"],
         dtype=s["dtype"], storage=s["storage"], study_name=s["study_name"], resume=s["resume"],
@@ -325,7 +313,7 @@ def _tune_on_devices(settings, s: Settings) -> int:
 
     from vegas_tune.hardware import fingerprint
     from vegas_tune.pipeline import settings_fingerprint, study_location
-    from vegas_tune.tuner import check_study
+    from vegas_tune.studies import check_study
     from vegas_tune.workers import resolve_devices, run_workers
 
     devices = resolve_devices(s["devices"])
@@ -354,16 +342,13 @@ def _print_summary(summary: dict) -> None:
     if len(summary["schedule"]) > 1:
         for entry in summary["schedule"]:
             config = entry["config"]
-            what = ("vanilla" if config == "vanilla" else
-                    f"{config['drafter']} gamma {config['gamma']}, sparsity "
-                    f"{config['sparsity_ratio']}")
+            what = "vanilla" if config == "vanilla" else tuned_words(config)
             stderr.print(f"  batch {entry['batch_min']}-{entry['batch_max']}: {what} "
                          f"(measured at {entry['batch_size']}: speedup "
                          f"{_result_words(entry, 'speedup', 'x', 2)})")
-    stderr.print(f"tuned: gamma {t['gamma']}, sparsity {t['sparsity_ratio']}, min_tokens "
-                 f"{t['min_tokens']}, score {t['score']}, window {t['window']}")
+    stderr.print(f"tuned for {summary['target']}: {tuned_words(t)}")
     stderr.print(f"speedup {_result_words(r, 'speedup', 'x', 2)} over vanilla, "
-                 f"{_result_words(r, 'speedup_over_streaming', 'x', 2)} over streaming "
+                 f"{_result_words(r, 'speedup_over_streaming', 'x', 2)} over the best streaming configuration "
                  f"(95% intervals, {r['rounds']} rounds)")
     stderr.print(f"{_result_words(r, 'tokens_per_second', ' tok/s', 1)} vs vanilla "
                  f"{_result_words(r, 'vanilla_tokens_per_second', ' tok/s', 1)}; mean "
@@ -467,6 +452,141 @@ def bench(
                  f"{100 * measured['selection_overhead']:.1f}%")
 
 
+# The workload of a profile that a grid must share to compare with its pick.
+LIKE_FOR_LIKE = ("ctx", "dataset", "max_new_tokens", "temperature")
+
+
+@app.command()
+@show_defaults({"num_prompts": "the batch size", "out": "grid.json", **{
+    name: default_text(name) for name in ("model", "ctx", "dataset", "target", "budgets")}})
+def grid(
+    model: str = typer.Option(RUN_DEFAULTS["model"][0], help="Model spec."),
+    ctx: str = typer.Option(RUN_DEFAULTS["ctx"][0], help="Prompt length."),
+    dataset: str = typer.Option(RUN_DEFAULTS["dataset"][0], help="Dataset (as for tune)."),
+    batch_size: int = typer.Option(1, help="Sequences decoded together (one size)."),
+    max_new_tokens: int = typer.Option(RUN_DEFAULTS["max_new_tokens"][0]),
+    num_prompts: Optional[int] = typer.Option(None, help="Distinct prompts."),
+    temperature: float = typer.Option(0.0), seed: int = typer.Option(0),
+    device: str = typer.Option("auto"), dtype: str = typer.Option("auto"),
+    target: str = typer.Option(option_default("target"), help="The space: the selections "
+                               "this target runs (as for tune)."),
+    budgets: str = typer.Option(option_default_text("budgets"), help="Budgets in KV slots."),
+    gammas: str = typer.Option("4-12", help="Gammas: a range (4-12) or a list (6,8,10)."),
+    vanilla_every: int = typer.Option(8, help="A vanilla run between every this many points."),
+    out: Path = typer.Option(Path("grid.json"), help="The grid as JSON; a Markdown table "
+                                                     "beside it (.md)."),
+    from_file: Optional[Path] = typer.Option(None, help="Take the grid from this earlier "
+                                             "--out file instead of measuring it."),
+    compare: Optional[list[Path]] = typer.Option(None, help="A profile whose pick at this "
+                                                 "batch size is re-measured beside the grid's "
+                                                 "best (repeat for several)."),
+    rounds: int = typer.Option(5, help="Interleaved rounds of the comparison."),
+    debug: bool = typer.Option(False, help="Show tracebacks."),
+) -> None:
+    """Measure every configuration of a space once (vanilla interleaved), then re-measure
+    the best beside the picks of --compare profiles: their regret, in one run."""
+    from vegas_core import load_model
+    from vegas_tune.datasets import check_dataset, load_prompts
+    from vegas_tune.grid import (GRID_BEST, GRID_TOP, GridResult, compare as race_configs,
+                                 grid_markdown, grid_points, parse_gammas, regret_words,
+                                 run_grid, spec_of_row, write_json)
+    from vegas_tune.hardware import fingerprint
+    from vegas_tune.measure import Measurer, Workload
+    from vegas_tune.pipeline import git_revision
+    from vegas_tune.preflight import check_model_size
+    from vegas_tune.profile import load_profile
+    from vegas_tune.space import longest_prefix
+    from vegas_tune.steps import min_new_tokens
+    from vegas_tune.tuner import usable_budgets
+
+    tokens = parse_ctx(ctx)
+    space_target, slots, gamma_list = parse_target(target), parse_budgets(budgets), parse_gammas(gammas)
+    check_values(dict(batch_size=batch_size, max_new_tokens=max_new_tokens,
+                      num_prompts=num_prompts, temperature=temperature, seed=seed,
+                      budgets=slots, ctx=tokens))
+    if max_new_tokens < min_new_tokens(gamma_list[-1]):
+        raise VegasError(f"--max-new-tokens {max_new_tokens} is too few to time gamma "
+                         f"{gamma_list[-1]}; use at least {min_new_tokens(gamma_list[-1])}")
+    if vanilla_every < 1:
+        raise VegasError(f"--vanilla-every must be >= 1, got {vanilla_every}")
+    picks = {}
+    for path in compare or []:
+        p = load_profile(path)
+        differs = [k for k in LIKE_FOR_LIKE if getattr(p.workload, k) != {
+            "ctx": tokens, "dataset": dataset, "max_new_tokens": max_new_tokens,
+            "temperature": temperature}[k]]
+        if p.model.id != model or differs:
+            raise VegasError(f"--compare {path}: tuned on another workload "
+                             f"({', '.join((['model'] if p.model.id != model else []) + differs)}); "
+                             "give this grid the profile's model, ctx, dataset, max-new-tokens "
+                             "and temperature")
+        entry = p.entry_for(batch_size)
+        picks[str(path)] = entry.speculative.spec()
+    check_dataset(dataset)
+    dev, dt = check_device(device, dtype)
+    check_model_size(model, dev, dt, ctx=tokens, max_new_tokens=max_new_tokens,
+                     batch_size=batch_size, extra_tokens=gamma_list[-1] + 1)
+    prefix = longest_prefix(tokens, max_new_tokens)
+    points = grid_points(space_target, usable_budgets(slots, tokens), gamma_list)
+    loaded = load_model(model, device=dev, dtype=dt)
+    prompts = load_prompts(loaded.tokenizer, dataset, tokens, num_prompts or batch_size, seed)
+    measurer = Measurer(loaded, Workload(prompts, batch_size, max_new_tokens, temperature, seed))
+    if from_file is not None:
+        try:
+            result = GridResult.from_json(json.loads(from_file.read_text())["grid"])
+        except (OSError, ValueError, KeyError) as e:
+            raise VegasError(f"--from-file {from_file}: not a grid file ({e})") from None
+    else:
+        with stderr.status(f"grid: {len(points)} points ...") as status:
+            def progress(done: int, total: int, row: dict) -> None:
+                status.update(f"grid: {done}/{total} points, last {row['drafter']} "
+                              f"{row['budget']} slots gamma {row['gamma']}: "
+                              f"{row['tokens_per_second']:.0f} tok/s")
+
+            result = run_grid(measurer, points, prefix, vanilla_every, progress)
+    best = result.best()
+    data = {"command": "vegas-tune " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+            "git_revision": git_revision(), "hardware": fingerprint(device),
+            "model": loaded.label, "workload": {"ctx": tokens, "dataset": dataset,
+                                                "batch_size": batch_size,
+                                                "max_new_tokens": max_new_tokens,
+                                                "num_prompts": len(prompts)},
+            "target": space_target, "points": len(result.rows), "grid": result.to_json()}
+    lines = [f"- {loaded.label}; ctx {tokens}, batch {batch_size}, {dataset}, "
+             f"{max_new_tokens} new tokens; target {space_target}: {len(result.rows)} points",
+             f"- One timed pass: {result.wall_seconds:.0f} s; best: "
+             f"{best['drafter']} {best['score']} window {best['window']}, {best['budget']} "
+             f"slots, gamma {best['gamma']}: {best['speedup']:.3f}x vanilla",
+             f"- Command: `{data['command']}`"]
+    if picks:
+        top = {f"{GRID_BEST}{rank}": spec_of_row(row)
+               for rank, row in enumerate(result.top(GRID_TOP), start=1)}
+        with stderr.status(f"comparing {len(picks)} pick(s) with the grid's best {len(top)} ..."):
+            compared = race_configs(measurer, {**top, **picks}, rounds, list(top))
+        data["compare"] = compared
+        reference = compared["series"][compared["reference"]]
+        lines.append(f"- Re-measured in {rounds} interleaved rounds: the grid's best "
+                     f"{len(top)} by their one run, and each pick; the reference is "
+                     f"{compared['reference']} ({reference['speedup']:.3f}x vanilla "
+                     f"[{reference['speedup_low']:.3f}, {reference['speedup_high']:.3f}])")
+        for name in picks:
+            p = load_profile(name)
+            series = compared["series"][name]
+            lines.append(f"- {name} ({tuned_words(p.entry_for(batch_size).speculative)}): "
+                         f"{series['speedup']:.3f}x vanilla [{series['speedup_low']:.3f}, "
+                         f"{series['speedup_high']:.3f}]: {regret_words(compared['ratios'][name])}; "
+                         f"tuner {p.provenance.duration_seconds:.0f} s = "
+                         f"{p.provenance.duration_seconds / result.wall_seconds:.0%} of the "
+                         "grid pass")
+    write_json(data, out)
+    md = out.with_suffix(".md")
+    md.write_text(grid_markdown(result, f"Grid: {model}, ctx {tokens}, batch {batch_size}",
+                                lines))
+    for line in lines:
+        typer.echo(line)
+    stderr.print(f"wrote {out} and {md}")
+
+
 @app.command()
 def validate(profile: Path = typer.Argument(..., help="Profile YAML."),
              debug: bool = typer.Option(False, help="Show tracebacks.")) -> None:
@@ -479,8 +599,7 @@ def validate(profile: Path = typer.Argument(..., help="Profile YAML."),
                       + ("vanilla" if e.config == "vanilla" else f"gamma {e.config.gamma}")
                       for e in p.schedule)
     typer.echo(f"{profile}: valid (schema {p.schema_version}; schedule {sizes}; at batch "
-               f"{p.headline.batch_size} gamma {p.tuned.gamma}, sparsity "
-               f"{p.tuned.sparsity_ratio}, speedup "
+               f"{p.headline.batch_size} {tuned_words(p.tuned)}, speedup "
                f"{_result_words(p.results.model_dump(), 'speedup', 'x', 2)}; recommended "
                f"{str(p.recommended).lower()})")
 
@@ -507,14 +626,13 @@ def show(profile: Path = typer.Argument(..., help="Profile YAML."),
     typer.echo(f"{profile}\n  model {p.model.id} ({p.model.dtype}) on {hw}; ctx {p.workload.ctx}, "
                f"batch {sizes}, dataset {p.workload.dataset}")
     at = f" (batch {p.headline.batch_size})" if len(p.schedule) > 1 else ""
-    typer.echo(f"  tuned{at}: {p.tuned.drafter} gamma {p.tuned.gamma}, sparsity {p.tuned.sparsity_ratio}, "
-               f"min_tokens {p.tuned.min_tokens}, collect {p.tuned.collect}, score {p.tuned.score}, "
-               f"granularity {p.tuned.granularity}, window {p.tuned.window}")
+    typer.echo(f"  tuned for {p.target}{at}: {tuned_words(p.tuned)}; collect {p.tuned.collect}, "
+               f"granularity {p.tuned.granularity}")
     typer.echo(f"  {figure('tokens_per_second', ' tok/s', 1)}; vanilla "
-               f"{figure('vanilla_tokens_per_second', ' tok/s', 1)}; streaming "
+               f"{figure('vanilla_tokens_per_second', ' tok/s', 1)}; best streaming "
                f"{figure('streaming_tokens_per_second', ' tok/s', 1)}")
     typer.echo(f"  speedup {figure('speedup', 'x', 2)} over vanilla, "
-               f"{figure('speedup_over_streaming', 'x', 2)} over streaming; mean accepted "
+               f"{figure('speedup_over_streaming', 'x', 2)} over the best streaming configuration; mean accepted "
                f"length {r.mean_accepted_length:.2f}")
     typer.echo(f"  means of {r.rounds} interleaved rounds, {r.confidence:.0%} confidence "
                "intervals in brackets")
@@ -522,7 +640,7 @@ def show(profile: Path = typer.Argument(..., help="Profile YAML."),
         typer.echo("  schedule:")
         for e in p.schedule:
             what = ("vanilla" if e.config == "vanilla" else
-                    f"{e.config.drafter} gamma {e.config.gamma}, sparsity {e.config.sparsity_ratio}")
+                    tuned_words(e.config))
             typer.echo(f"    batch {e.batch_min}-{e.batch_max}: {what} (measured at "
                        f"{e.batch_size}: {_result_words(e.results.model_dump(), 'speedup', 'x', 2)}"
                        " over vanilla)")
@@ -550,11 +668,14 @@ def diff(old: Path = typer.Argument(...), new: Path = typer.Argument(...),
 
 @app.command()
 def export(profile: Path = typer.Argument(...),
-           target: str = typer.Option("vllm", help="vllm (the authors' fork) or vegas (this engine)."),
+           target: Optional[str] = typer.Option(
+               None, help="vllm (the authors' fork) or vegas (this engine). Default: the "
+                          "target the profile was tuned for; another is refused unless --force."),
            fmt: str = typer.Option("yaml", "--format", help="yaml or json."),
            out: Optional[Path] = typer.Option(None, help="Write here instead of stdout."),
-           force: bool = typer.Option(False, "--force", help="Export the measured speculative "
-                                      "settings even where the schedule runs vanilla."),
+           force: bool = typer.Option(False, "--force", help="Export anyway: for another "
+                                      "target than the profile's, or the measured speculative "
+                                      "settings where the schedule runs vanilla."),
            serve_batch: Optional[int] = typer.Option(
                None, help="Concurrent sequences the server runs (max-num-seqs): the schedule "
                           "entry for it is exported. Default: the largest tuned size."),
@@ -562,15 +683,18 @@ def export(profile: Path = typer.Argument(...),
     """Print a profile's serving config: `vllm serve --config` YAML, or JSON, for one
     served concurrency. Where the schedule runs vanilla at that concurrency, vanilla
     decoding is exported (with a warning) unless --force."""
-    from vegas_tune.export import recommendation_note, render_export
+    from vegas_tune.export import check_target, recommendation_note, render_export
     from vegas_tune.profile import load_profile
 
     p = load_profile(profile)
+    target = target or p.target
+    warning = check_target(p, target, force, str(profile))
     text = render_export(p, target, fmt, force=force, serve_batch=serve_batch)
     note = recommendation_note(p, str(profile), force, serve_batch=serve_batch)
-    if note:
-        # Plain echo, not rich: rich would treat "[0.35, 0.41]" as possible markup.
-        typer.echo(note, err=True)
+    for line in (warning, note):
+        if line:
+            # Plain echo, not rich: rich would treat "[0.35, 0.41]" as possible markup.
+            typer.echo(line, err=True)
     if out is None:
         typer.echo(text, nl=not text.endswith("\n"))
         return

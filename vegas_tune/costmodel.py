@@ -1,126 +1,54 @@
-"""Predict decode throughput for every (gamma, sparsity) at one batch size from step 1's
-acceptance and a few measurements at that size: a vanilla run and up to three probe runs
-(see ``ProbeRun``):
+"""Predict decode throughput at every gamma from a few timed runs at one batch size.
 
-- ``main``: the probe gamma at step 1's sparsity s0;
-- ``short``: gamma 1 at s0, so the iteration time is a line in gamma;
-- ``sparse``: the probe gamma at another step-1 ratio, so the cost of a draft step is a
-  line in the K/V share it reads, and acceptance is known at this size at two ratios.
+The sweep (``vegas_tune.steps``) runs every (selection, budget) of the search once, at
+the probe gamma G, at the batch size being tuned. Each run gives
 
-Tokens per iteration per sequence: E(gamma, s) = 1 + sum_{i <= gamma} a_i(s), where a_i(s)
-is the rate at which draft position i is accepted at sparsity s. It does not depend on
-how many positions are drafted after position i. Step 1 measures a_i(s) once, at the
-smallest batch size. In exact arithmetic it would not depend on the batch size either,
-but in bf16 on a GPU the batch size changes rounding, so long greedy continuations
-diverge and acceptance differs by up to ~15% on a few prompts. So each size rescales
-step 1's rates, position by position, by what its probes accepted (``batch_acceptance``).
+- the rate a_i at which draft position i was accepted, for i = 1..G; it does not depend
+  on how many positions are drafted after i, so tokens per iteration per sequence at any
+  gamma g <= G are E(g) = 1 + sum_{i <= g} a_i;
+- the time of one steady iteration of the whole batch at G, T(G), and of one draft
+  forward, d.
 
-Time per iteration, for the whole batch:
+An iteration at gamma g drafts G - g tokens fewer, each a draft forward plus what a
+drafted token costs beyond it (a verify row, launches, host work between steps): ``extra``,
+measured once per batch size from one configuration at two gammas (the sweep's short
+probe). So
 
-    T(gamma, s) = fixed + per_gamma * gamma + gamma * per_share * (share(s) - share(s0))
+    T(g) = T(G) - (G - g) * (d + extra)
 
-- ``fixed`` and ``per_gamma``: the line through the main and short probes' whole steady
-  iterations. Every part of an iteration is paid either once (the verify's one-row cost,
-  selection, acceptance, bookkeeping) or once per drafted token (a draft forward, a
-  verify row, the launches between them). So the line also holds what the timed phases
-  leave out, e.g. the host work between draft steps.
-- ``per_share``: what one draft step costs per unit of K/V share. It comes from the main
-  and sparse probes' iterations. Without a sparse probe it falls back to the line from
-  the main probe's draft step to a vanilla decode step (share 1). That underestimates
-  it where gathering scattered K/V costs more per byte than a contiguous read.
-
-At each probe point the prediction reproduces that probe's measured iteration time, by
-construction.
+where a configuration has runs at two gammas (the short probe, an extension of the gamma
+axis), T is the line through them. Predicted tokens/s: B * E(g) / T(g). Every run of a
+configuration is reproduced exactly at its own gamma; what is predicted is the time of
+the gammas between and below them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vegas_core.spec_config import draft_budget
-
 
 @dataclass(frozen=True)
-class ProbeRun:
-    """One speculative probe run at one batch size (seconds, for the whole batch)."""
+class Run:
+    """One timed run of one (selection, budget) at one gamma and batch size; seconds are
+    for the whole batch."""
 
     gamma: int
-    sparsity: float
-    share: float  # the draft budget as a share of the mean prefix
-    iteration_seconds: float  # one whole steady-state iteration
+    iteration_seconds: float  # one steady iteration
     draft_step_seconds: float  # one sparse draft forward
-    acceptance_by_position: tuple[float, ...] = ()  # what this run accepted, per position
+    acceptance_by_position: tuple[float, ...]
 
 
-@dataclass(frozen=True)
-class StepCosts:
-    """Step times measured at one batch size: vanilla's decode step and the probes
-    (``main`` required; ``short`` at gamma 1 and ``sparse`` at another sparsity
-    optional)."""
-
-    decode_step_seconds: float  # one vanilla decode forward
-    main: ProbeRun
-    short: ProbeRun | None = None
-    sparse: ProbeRun | None = None
-
-    def __post_init__(self) -> None:
-        if self.short is not None and (self.short.gamma == self.main.gamma
-                                       or self.short.share != self.main.share):
-            raise ValueError("the short probe needs the main probe's share and another gamma")
-        if self.sparse is not None and (self.sparse.gamma != self.main.gamma
-                                        or self.sparse.share == self.main.share):
-            raise ValueError("the sparse probe needs the main probe's gamma and another share")
-
-    @property
-    def probes(self) -> tuple[ProbeRun, ...]:
-        return tuple(p for p in (self.main, self.short, self.sparse) if p is not None)
-
-    def line(self) -> tuple[float, float]:
-        """(fixed, per_gamma): the iteration time at the main probe's share, a line in
-        gamma; flat at the main probe's time without a short probe."""
-        if self.short is None:
-            return self.main.iteration_seconds, 0.0
-        low, high = sorted((self.short, self.main), key=lambda p: p.gamma)
-        per_gamma = (high.iteration_seconds - low.iteration_seconds) / (high.gamma - low.gamma)
-        return low.iteration_seconds - per_gamma * low.gamma, per_gamma
-
-    def per_share_seconds(self) -> float:
-        """One draft step's cost per unit of K/V share (never negative)."""
-        main = self.main
-        if self.sparse is not None:
-            slope = ((main.iteration_seconds - self.sparse.iteration_seconds)
-                     / (main.gamma * (main.share - self.sparse.share)))
-        elif main.share < 1.0:
-            slope = (self.decode_step_seconds - main.draft_step_seconds) / (1.0 - main.share)
-        else:
-            slope = 0.0
-        return max(0.0, slope)
+def per_token_extra(long: Run, short: Run) -> float:
+    """What each drafted token costs an iteration beyond its draft forward, from two runs
+    of one configuration at two gammas. Noise may make it negative; ``Curve`` never lets
+    a drafted token cost less than nothing."""
+    if long.gamma == short.gamma:
+        raise ValueError("the two runs need different gammas")
+    slope = (long.iteration_seconds - short.iteration_seconds) / (long.gamma - short.gamma)
+    return slope - (long.draft_step_seconds + short.draft_step_seconds) / 2
 
 
-def budget_share(sparsity: float, min_tokens: int, prefix_len: int) -> float:
-    """The share of a ``prefix_len`` prefix a draft reads: the engine's budget
-    (``draft_budget``) over the prefix."""
-    return draft_budget(prefix_len, sparsity, min_tokens) / prefix_len
-
-
-def draft_read_share(sparsity: float, min_tokens: int, prefix_len: int,
-                     windows: list[int | None]) -> float:
-    """The share of a vanilla step's K/V reads that a draft step makes, for a model whose
-    layer i attends within ``windows[i]`` (None: the whole prefix). Budgets count in
-    full-attention layers only: a sliding layer reads its whole window in a draft as in
-    vanilla decoding (``AttentionMeta.drafts_whole_window``). A model with no sliding
-    layer, or only sliding ones (Mistral, whose drafts select within the window), reads
-    the budget's share of the prefix."""
-    hybrid = any(w is None for w in windows) and any(w is not None for w in windows)
-    if not hybrid:
-        return budget_share(sparsity, min_tokens, prefix_len)
-    full = [prefix_len for w in windows if w is None]
-    local = sum(min(w, prefix_len) for w in windows if w is not None)
-    budget = budget_share(sparsity, min_tokens, prefix_len) * prefix_len
-    return (len(full) * budget + local) / (sum(full) + local)
-
-
-def expected_tokens(acceptance_by_position: list[float], gamma: int) -> float:
+def expected_tokens(acceptance_by_position: tuple[float, ...] | list[float], gamma: int) -> float:
     """Tokens per iteration per sequence at ``gamma``: the bonus token plus each draft
     position's acceptance rate."""
     if gamma > len(acceptance_by_position):
@@ -129,63 +57,56 @@ def expected_tokens(acceptance_by_position: list[float], gamma: int) -> float:
     return 1.0 + sum(acceptance_by_position[:gamma])
 
 
-def batch_acceptance(step1: dict[float, list[float]],
-                     probes: tuple[ProbeRun, ...]) -> dict[float, list[float]]:
-    """Step 1's acceptance by sparsity, rescaled to one batch size by its probes.
+class Curve:
+    """Throughput against gamma of one (selection, budget) at one batch size.
 
-    Each probe at a step-1 ratio gives per-position factors: what it accepted divided
-    by what step 1 accepted at the same ratio. The probe with the most positions at a
-    ratio is used. A ratio between two probes' ratios gets factors interpolated
-    linearly in sparsity; one outside them takes the nearer probe's. Rates stay at most
-    1, and positions beyond the probes' are left as step 1 measured them. With no probe
-    at a step-1 ratio, step 1's rates are returned unchanged.
-    """
-    anchors: dict[float, list[float]] = {}
-    for probe in probes:
-        base = step1.get(probe.sparsity)
-        measured = list(probe.acceptance_by_position)
-        if base is None or not measured or len(measured) <= len(anchors.get(probe.sparsity, [])):
-            continue
-        anchors[probe.sparsity] = [m / b if b > 0 else 1.0 for m, b in zip(measured, base)]
-    if not anchors:
-        return {s: list(a) for s, a in step1.items()}
-    ratios = sorted(anchors)
+    ``runs``: its timed runs (one or more gammas); ``extra``: ``per_token_extra`` at this
+    batch size; ``floor_seconds``: a vanilla decode step. No iteration at gamma g is
+    predicted faster than that step plus g draft forwards: it holds a verify pass, which
+    reads everything a decode step does, and its drafts."""
 
-    def factors(sparsity: float) -> list[float]:
-        if sparsity <= ratios[0]:
-            return anchors[ratios[0]]
-        if sparsity >= ratios[-1]:
-            return anchors[ratios[-1]]
-        above = next(r for r in ratios if r >= sparsity)
-        below = max(r for r in ratios if r <= sparsity)
-        if above == below:
-            return anchors[above]
-        w = (sparsity - below) / (above - below)
-        return [(1 - w) * lo + w * hi for lo, hi in zip(anchors[below], anchors[above])]
+    def __init__(self, runs: list[Run], extra: float, floor_seconds: float = 0.0) -> None:
+        if not runs:
+            raise ValueError("a curve needs at least one run")
+        self.runs = sorted(runs, key=lambda r: r.gamma)
+        self.extra = extra
+        self.floor_seconds = floor_seconds
+        # The run that drafted furthest knows acceptance at the most positions.
+        self.acceptance = max(self.runs, key=lambda r: len(r.acceptance_by_position)
+                              ).acceptance_by_position
 
-    out = {}
-    for sparsity, rates in step1.items():
-        f = factors(sparsity)
-        out[sparsity] = [min(1.0, rate * (f[i] if i < len(f) else 1.0))
-                         for i, rate in enumerate(rates)]
-    return out
+    @property
+    def top_gamma(self) -> int:
+        """The largest gamma with known acceptance: the end of what can be predicted."""
+        return len(self.acceptance)
 
+    def per_token_seconds(self, run: Run) -> float:
+        return max(0.0, run.draft_step_seconds + self.extra)
 
-def iteration_seconds(costs: StepCosts, gamma: int, share: float | None = None) -> float:
-    """One iteration of the batch at ``gamma``, drafting ``share`` of the K/V (default:
-    the main probe's)."""
-    share = costs.main.share if share is None else share
-    fixed, per_gamma = costs.line()
-    sparser = gamma * costs.per_share_seconds() * (share - costs.main.share)
-    # Never below one draft-free verify: a line fitted to noisy probes must not predict
-    # a free iteration.
-    return max(fixed + per_gamma * gamma + sparser, costs.decode_step_seconds)
+    def iteration_seconds(self, gamma: int) -> float:
+        runs = self.runs
+        below = [r for r in runs if r.gamma <= gamma]
+        above = [r for r in runs if r.gamma >= gamma]
+        if below and above:
+            lo, hi = below[-1], above[0]
+            if lo.gamma == hi.gamma:
+                seconds = lo.iteration_seconds
+            else:
+                w = (gamma - lo.gamma) / (hi.gamma - lo.gamma)
+                seconds = (1 - w) * lo.iteration_seconds + w * hi.iteration_seconds
+        elif above:  # below every run: fewer drafted tokens than the shortest
+            first = above[0]
+            seconds = first.iteration_seconds - (first.gamma - gamma) * self.per_token_seconds(first)
+        else:
+            last = below[-1]
+            seconds = last.iteration_seconds + (gamma - last.gamma) * self.per_token_seconds(last)
+        draft = min(r.draft_step_seconds for r in runs)
+        return max(seconds, self.floor_seconds + gamma * draft)
 
+    def tokens_per_second(self, gamma: int, batch_size: int) -> float:
+        return batch_size * expected_tokens(self.acceptance, gamma) / self.iteration_seconds(gamma)
 
-def predict_tokens_per_second(acceptance_by_position: list[float], costs: StepCosts,
-                              gamma: int, batch_size: int, share: float | None = None) -> float:
-    """Decode tokens/s of ``batch_size`` sequences at ``gamma`` drafting ``share`` of the
-    K/V (default: the main probe's), with ``acceptance_by_position`` at that share and
-    batch size (``batch_acceptance``)."""
-    return (batch_size * expected_tokens(acceptance_by_position, gamma)
-            / iteration_seconds(costs, gamma, share))
+    def best_gamma(self, batch_size: int) -> int:
+        """The gamma (1 .. top_gamma) predicted fastest; the smaller where two tie."""
+        return max(range(1, self.top_gamma + 1),
+                   key=lambda g: (self.tokens_per_second(g, batch_size), -g))

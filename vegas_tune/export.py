@@ -1,14 +1,19 @@
 """Deployment exports of a tuned profile: vLLM serve settings and this engine's own.
 
 vLLM: the Vegas authors' vLLM fork adds a ``sparse_attn`` speculative method. Its
-speculative config carries gamma, the sparsity ratio and the minimum budget, and it
-validates them: ``num_speculative_tokens`` > 0, 0 < ``sparse_attn_ratio`` < 1 (strictly:
-a ratio of 1, dense drafts, is not servable there), no unknown keys. The fork has no
-setting for ``collect``, ``score``, ``granularity`` or ``window``: it collects the first
-and last verify rows over all query heads into one top-k per layer, ranks by softmax
-weights (a code constant), and reserves no sink/window share. It sizes its score buffer
-from ``max_num_seqs`` x ``max_model_len``, so the serve config sets both: the served
-concurrency and the tuned context plus new tokens.
+speculative config carries gamma, the algorithm (``vegas`` or ``streamingllm``), the
+sparsity ratio and the minimum budget, and it validates them: ``num_speculative_tokens``
+> 0, 0 < ``sparse_attn_ratio`` < 1 (strictly: a ratio of 1, dense drafts, is not servable
+there), no unknown keys. The fork has no setting for ``collect``, ``score``,
+``granularity`` or ``window``: it collects the first and last verify rows over all query
+heads into one top-k per layer, ranks by softmax weights (a code constant), and reserves
+no sink/window share. It sizes its score buffer from ``max_num_seqs`` x
+``max_model_len``, so the serve config sets both: the served concurrency and the tuned
+context plus new tokens.
+
+A profile records the target it was tuned for (``vllm``: only what the fork runs was
+searched; ``vegas``: every option of this engine). ``render_export`` to the other target
+is refused unless forced: what is exported is then not what was measured.
 
 A profile holds one schedule entry per tuned batch size; the export serves one
 concurrency (``serve_batch``, by default the largest tuned size) with the entry whose
@@ -36,22 +41,29 @@ import yaml
 
 from vegas_core.errors import VegasError
 from vegas_tune.profile import VANILLA, Exports, Profile, ScheduleEntry, Tuned, VllmExport
+from vegas_tune.space import FORK_ALGORITHMS, FORK_VEGAS
 
 VLLM_TARGET = "vllm-sparse-attn-fork"
 VLLM_NOTE = (
     "These keys are for the Vegas authors' vLLM fork (speculative method 'sparse_attn'); "
     "stock vLLM rejects unknown speculative keys (its config forbids extra fields). Only "
-    "gamma, sparsity ratio and min_tokens carry over: the fork's score mode is a code "
-    "constant (softmax weights), and it fixes collection (first and last verify rows), "
-    "granularity (one top-k per layer) and window (none)."
+    "gamma, the algorithm (vegas or streamingllm), sparsity ratio and min_tokens carry over: "
+    "the fork's score mode is a code constant (softmax weights), and it fixes collection "
+    "(first and last verify rows), granularity (one top-k per layer) and window (none)."
 )
+# Said of a profile tuned for the fork: the configuration exported is the one measured.
+VLLM_MEASURED = (
+    " Tuned with --target vllm: every configuration searched was one the fork runs, and "
+    "this is the one measured fastest.")
+# The one way the engine's streaming drafter and the fork's differ.
+STREAMING_NOTE = (
+    " The fork's streamingllm keeps its first KV block and the most recent blocks (block "
+    "granularity, the block on top of the budget); this engine keeps 16 sink tokens and "
+    "the most recent tokens within the budget.")
 
 VLLM_METHOD = "sparse_attn"
-VLLM_ALGORITHM = "vegas"
 # The key `vllm serve --config file.yaml` reads the speculative settings from.
 VLLM_SPECULATIVE_KEY = "speculative-config"
-# The fork's defaults for what it cannot be told; a tuned value that differs is named.
-FORK_FIXED = {"score": "weight", "collect": "two", "granularity": "layer", "window": 0.0}
 # Indentation of the JSON that `--speculative-config` takes: readable when pasted.
 JSON_INDENT = 2
 
@@ -64,13 +76,14 @@ VANILLA_TEXT = "null\n"
 
 def vllm_speculative_config(tuned: Tuned) -> dict[str, Any] | None:
     """The fork's speculative config for ``tuned`` (what ``--speculative-config`` takes);
-    None for a sparsity ratio of 1, which the fork refuses (it needs 0 < ratio < 1)."""
-    if not tuned.sparsity_ratio < 1.0:
+    None for a sparsity ratio of 1, which the fork refuses (it needs 0 < ratio < 1), or a
+    drafter the fork does not run."""
+    if not tuned.sparsity_ratio < 1.0 or tuned.drafter not in FORK_ALGORITHMS:
         return None
     return {
         "method": VLLM_METHOD,
         "num_speculative_tokens": tuned.gamma,
-        "sparse_attn_algorithm": VLLM_ALGORITHM,
+        "sparse_attn_algorithm": FORK_ALGORITHMS[tuned.drafter],
         "sparse_attn_ratio": tuned.sparsity_ratio,
         "sparse_attn_min_tokens": tuned.min_tokens,
     }
@@ -89,18 +102,24 @@ def vllm_serve_config(model_id: str, tuned: Tuned | None, max_num_seqs: int,
     return serve
 
 
-def vllm_note(tuned: Tuned) -> str:
-    """``VLLM_NOTE``, plus what of ``tuned`` the fork will not do as measured here."""
+def vllm_note(tuned: Tuned, target: str) -> str:
+    """``VLLM_NOTE``, plus whether ``tuned`` (tuned for ``target``) is what the fork runs."""
+    if tuned.drafter not in FORK_ALGORITHMS:
+        return (f"{VLLM_NOTE} This configuration drafts with {tuned.drafter!r}, which the "
+                "fork does not run, so there is no speculative config.")
     if vllm_speculative_config(tuned) is None:
         return (f"{VLLM_NOTE} This configuration drafts densely (sparsity ratio "
                 f"{tuned.sparsity_ratio:g}); the fork needs 0 < ratio < 1, so there is no "
                 "speculative config.")
-    differs = [f"{name} {getattr(tuned, name)!r} (fork: {fixed!r})"
-               for name, fixed in FORK_FIXED.items() if getattr(tuned, name) != fixed]
-    if not differs:
-        return VLLM_NOTE
-    return (f"{VLLM_NOTE} Tuned here with {', '.join(differs)}: the fork's acceptance and "
-            "selection cost may differ from this profile's figures.")
+    streaming = STREAMING_NOTE if tuned.drafter == "streaming" else ""
+    differs = [] if tuned.drafter != "vegas" else [
+        f"{name} {getattr(tuned, name)!r} (fork: {fixed!r})"
+        for name, fixed in FORK_VEGAS.items() if getattr(tuned, name) != fixed]
+    if differs:
+        return (f"{VLLM_NOTE} Tuned for this engine with {', '.join(differs)}: the fork's "
+                "acceptance and selection cost may differ from this profile's figures.")
+    measured = VLLM_MEASURED if target == "vllm" else ""
+    return VLLM_NOTE + measured + streaming
 
 
 def engine_settings(tuned: Tuned) -> dict[str, Any]:
@@ -123,13 +142,14 @@ def speculative_json(tuned: Tuned | None) -> str:
     return json.dumps(speculative, indent=JSON_INDENT)
 
 
-def build_exports(model_id: str, tuned: Tuned, max_num_seqs: int, max_model_len: int) -> Exports:
-    """The ``exports`` section of a profile: ``tuned`` served as ``model_id`` at
-    ``max_num_seqs`` sequences of up to ``max_model_len`` positions."""
+def build_exports(model_id: str, tuned: Tuned, max_num_seqs: int, max_model_len: int,
+                  target: str) -> Exports:
+    """The ``exports`` section of a profile tuned for ``target``: ``tuned`` served as
+    ``model_id`` at ``max_num_seqs`` sequences of up to ``max_model_len`` positions."""
     return Exports(
         vllm=VllmExport(
             target=VLLM_TARGET,
-            note=vllm_note(tuned),
+            note=vllm_note(tuned, target),
             serve_config=vllm_serve_config(model_id, tuned, max_num_seqs, max_model_len),
             speculative_config_json=speculative_json(tuned),
         ),
@@ -171,6 +191,24 @@ def _comment(text: str) -> str:
     return "".join(f"# {line}\n" for line in text.splitlines())
 
 
+def check_target(profile: Profile, target: str, force: bool, source: str) -> str | None:
+    """Refuse (``VegasError``) an export to another target than the profile was tuned
+    for, unless ``force``; then the warning line to print. None when the targets agree."""
+    if target not in EXPORT_TARGETS:
+        raise VegasError(f"unknown export target '{target}'; choose one of: "
+                         f"{', '.join(EXPORT_TARGETS)}")
+    if target == profile.target:
+        return None
+    what = {"vllm": "only what the vLLM fork runs", "vegas": "every option of this engine"}
+    if not force:
+        raise VegasError(
+            f"{source} was tuned for --target {profile.target} ({what[profile.target]}); "
+            f"exporting it for {target} serves a configuration that was not measured there: "
+            f"re-tune with --target {target}, or pass --force")
+    return (f"warning: {source} was tuned for {profile.target}; exporting for {target} as "
+            "--force asks: the figures in the profile were not measured for this target")
+
+
 def render_export(profile: Profile, target: str, fmt: str, force: bool = False,
                   serve_batch: int | None = None) -> str:
     """Render the serving settings for ``serve_batch`` concurrent sequences (default: the
@@ -197,7 +235,7 @@ def render_export(profile: Profile, target: str, fmt: str, force: bool = False,
         serve = vllm_serve_config(model_id, tuned, batch, max_model_len(profile))
         if fmt == "json":
             return speculative_json(tuned) + "\n"
-        note = vllm_note(tuned) if tuned is not None else _vanilla_note(entry, batch)
+        note = vllm_note(tuned, profile.target) if tuned is not None else _vanilla_note(entry, batch)
         return _comment(note) + _yaml(serve)
     if tuned is None:
         return _comment(_vanilla_note(entry, batch)) + VANILLA_TEXT if fmt == "yaml" else VANILLA_TEXT

@@ -182,13 +182,32 @@ def interleave(measurer: Measurer, configs: dict[str, SpecConfig | None], max_ro
     ``max_rounds`` are done. Configurations compared with each other are measured side
     by side, so a machine that slows down (another job, a warm-up, thermal throttling)
     slows them alike; the order rotates each round so that no position is favoured."""
+    every = set(configs)
+    return race(measurer, configs, max_rounds,
+                lambda done, samples: set() if after_round(done, samples) else every)
+
+
+# decide(rounds done, samples so far by name) -> the names to measure in the next round;
+# empty to stop.
+RaceDecision = Callable[[int, dict[str, list[Measurement]]], set[str]]
+
+
+def race(measurer: Measurer, configs: dict[str, SpecConfig | None], max_rounds: int,
+         decide: RaceDecision) -> dict[str, list[Measurement]]:
+    """``interleave`` for configurations that drop out: each round measures the names
+    ``decide`` kept after the last one (every name in the first round), in rotating order,
+    until it keeps none or ``max_rounds`` are done. A dropped configuration keeps the
+    rounds it had, which are the first rounds of the race."""
     names = list(configs)
     samples: dict[str, list[Measurement]] = {name: [] for name in names}
+    live = list(names)
     for done in range(1, max_rounds + 1):
-        first = (done - 1) % len(names)
-        for name in names[first:] + names[:first]:
+        first = (done - 1) % len(live)
+        for name in live[first:] + live[:first]:
             samples[name].append(measurer.measure(configs[name]))
-        if after_round(done, samples):
+        keep = decide(done, samples)
+        live = [name for name in names if name in keep]
+        if not live:
             break
     return samples
 

@@ -22,12 +22,16 @@ from vegas_tune.hardware import fingerprint, gpu_slug
 from vegas_tune.measure import Measurer, Workload
 from vegas_tune.profile import (SCHEMA_VERSION, VANILLA, Tuned, load_profile,
                                 profile_from_dict, profile_to_dict, write_profile)
-from vegas_tune.report import (plot_acceptance_vs_sparsity, plot_throughput_vs_batch,
+from vegas_tune.report import (plot_acceptance_vs_budget, plot_throughput_vs_batch,
                                plot_throughput_vs_gamma, write_report, write_trials_table)
 from vegas_tune.progress import ProgressCallback
 from vegas_tune.stats import CONFIDENCE
 from vegas_tune.preflight import check_values
-from vegas_tune.tuner import TuneOptions, Tuner, check_study, ctx_label, warn_if_hard_to_time
+from vegas_tune.options import TuneOptions
+from vegas_tune.space import Point
+from vegas_tune.steps import RACE
+from vegas_tune.studies import check_study
+from vegas_tune.tuner import Tuner, ctx_label, warn_if_hard_to_time
 
 log = logging.getLogger("vegas_tune")
 
@@ -135,7 +139,8 @@ def run_tune(settings: TuneSettings,
     check_study(None, storage, study_name, resume=settings.resume, new_study=settings.new_study,
                 fingerprint=settings_fingerprint(settings, hardware))
     # The CLI has checked these with the names they came from; callers of this API have not.
-    check_values({**vars(settings.options), "batch_size": settings.batch_sizes,
+    check_values({**vars(settings.options), "ctx": settings.ctx,
+                  "batch_size": settings.batch_sizes,
                   "max_new_tokens": settings.max_new_tokens,
                   "num_prompts": settings.num_prompts, "temperature": settings.temperature})
     smallest = settings.batch_sizes[0]
@@ -174,6 +179,7 @@ def run_tune(settings: TuneSettings,
     tuned = head["config"] if recommended else head["measured"]
     profile = {
         "schema_version": SCHEMA_VERSION,
+        "target": settings.options.target,
         "recommended": recommended,
         "tuned": tuned,
         "model": {"id": settings.model, "path": str(model.path) if model.path else None,
@@ -192,15 +198,16 @@ def run_tune(settings: TuneSettings,
         "cut_short": result.cut_short,
         "steps": [{"name": s.name, "study": s.study, "batch_size": s.batch_size,
                    "trials": s.trials, "chosen": s.chosen, "notes": s.notes,
-                   "predictions": s.predictions, "within_noise": s.within_noise}
+                   "predictions": s.predictions, "within_noise": s.within_noise,
+                   "edges": s.edges}
                   for s in result.steps],
         "provenance": {"tool_version": engine_version, "git_revision": git_revision(),
                        "command": settings.command, "started": started.isoformat(timespec="seconds"),
                        "duration_seconds": round(time.monotonic() - t0, 1),
                        "engine_path": attention_backend(model.device)},
         "exports": build_exports(HUB_IDS.get(settings.model, settings.model), Tuned(**tuned),
-                                 head["batch_size"],
-                                 settings.ctx + settings.max_new_tokens).model_dump(),
+                                 head["batch_size"], settings.ctx + settings.max_new_tokens,
+                                 settings.options.target).model_dump(),
     }
     validated = profile_from_dict(profile, source=str(out))
     previous = previous_profile(out)
@@ -208,7 +215,8 @@ def run_tune(settings: TuneSettings,
     paths = write_artifacts(profile_to_dict(validated), result, stem, previous)
     paths["profile"] = str(out)
     paths["storage"] = storage
-    summary = {"profile": str(out), "recommended": recommended, "tuned": tuned,
+    summary = {"profile": str(out), "target": settings.options.target,
+               "recommended": recommended, "tuned": tuned,
                "results": profile["results"],
                "schedule": [{k: e[k] for k in ("batch_min", "batch_max", "batch_size", "config")}
                             | {"speedup": e["results"]["speedup"],
@@ -253,8 +261,7 @@ def tuned_settings(spec) -> dict:
 
 def schedule_reason(spec, results: dict, wins: bool) -> str:
     """One sentence: why this entry runs what it runs."""
-    what = (f"{spec.drafter} gamma {spec.gamma}, sparsity {spec.sparsity:g}, score "
-            f"{spec.score}, window {spec.window:g}")
+    what = config_words(spec)
     speedup, interval = results["speedup"], results["speedup_interval"]
     if speedup is None:
         return (f"vanilla: the best configuration found ({what}) was not measured against "
@@ -265,26 +272,31 @@ def schedule_reason(spec, results: dict, wins: bool) -> str:
     words = f"{speedup:.2f}x [{interval[0]:.2f}, {interval[1]:.2f}]"
     if wins:
         streaming = results.get("speedup_over_streaming")
-        beside = f", {streaming:.2f}x streaming" if streaming is not None else ""
+        beside = (f", {streaming:.2f}x the best streaming configuration"
+                  if streaming is not None else "")
         return f"{what}: {words} vanilla{beside}; the whole interval lies above 1"
     side = "below 1" if interval[1] < 1.0 else "not wholly above 1"
     return f"vanilla: the best speculative configuration ({what}) measured {words}, {side}"
 
 
+def config_words(spec) -> str:
+    """``vegas weight, 256 slots, gamma 8``: a configuration as the schedule names it."""
+    return Point.of(spec).words()
+
+
 def settings_fingerprint(settings: TuneSettings, hardware: dict) -> dict:
     """What a study's measurements depend on, as far as the settings say; the tuner adds
     the model's dtype and the prompts' hash. Resuming a study recorded with another
-    fingerprint would mix workloads in one profile, so it is refused. Search sizes
-    (trials, candidates, the time budget) are left out: resuming with more is the point."""
+    fingerprint would mix workloads in one profile, so it is refused. The number of
+    candidates and the time budget are left out: resuming with more is the point."""
     o = settings.options
     return {"model": settings.model, "device": hardware.get("gpu_name") or "cpu",
             "hardware": {k: hardware.get(k) for k in STUDY_HARDWARE_KEYS},
             "ctx": settings.ctx, "dataset": settings.dataset, "num_prompts": settings.num_prompts,
             "batch_sizes": list(settings.batch_sizes), "max_new_tokens": settings.max_new_tokens,
             "temperature": settings.temperature, "seed": settings.seed,
-            "probe_gamma": o.probe_gamma, "gamma_max": o.gamma_max,
-            "sparsity_grid": sorted(set(o.sparsity_grid)), "tolerance": o.tolerance,
-            "min_tokens": o.min_tokens, "max_rounds": o.max_rounds, "precision": o.precision}
+            "target": o.target, "budgets": list(o.budgets), "probe_gamma": o.probe_gamma,
+            "max_rounds": o.max_rounds, "precision": o.precision}
 
 
 def previous_profile(out: Path) -> dict | None:
@@ -307,31 +319,26 @@ def write_artifacts(profile: dict, result, stem: Path,
     ``stem`` is the profile's path without its ``.yaml``; every file keeps all of it:
     ``my.v2.yaml`` gets ``my.v2.trials.csv``, ``my.v2.acceptance.png``,
     ``my.v2.throughput.png``, ``my.v2.batch.png`` and ``my.v2.report.md``. ``profile`` is the validated
-    profile as a dict; the plots mark its own tuned values (and step 1's sparsity,
-    labelled as such, since step ``refine`` may have moved it), so they agree with it.
+    profile as a dict; the plots mark its own tuned values, so they agree with it.
     """
     def beside(suffix: str) -> Path:
         # Not stem.with_suffix: that replaces a dotted stem's last part ("my.v2" -> "my").
         return stem.with_name(stem.name + suffix)
 
     head_batch = profile["workload"]["batch_size"]
-    # Step 1 is shared by every size; the gamma plot is the headline size's.
-    steps = {step["name"]: step for step in profile["steps"]
-             if step.get("batch_size") in (None, head_batch)}
+    race = next((step for step in profile["steps"]
+                 if step["name"] == RACE and step.get("batch_size") == head_batch), {})
     trials_path = write_trials_table(result.trials, beside(".trials.csv"))
     acceptance = beside(".acceptance.png")
-    step1_sparsity = (steps.get("sparsity") or {}).get("chosen", {}).get("sparsity")
-    plot_acceptance_vs_sparsity(result.trials, acceptance, tuned=profile["tuned"],
-                                step1_sparsity=step1_sparsity)
+    plot_acceptance_vs_budget(result.trials, acceptance, tuned=profile["tuned"], batch=head_batch)
     throughput = beside(".throughput.png")
-    predictions = (steps.get("gamma") or {}).get("predictions") or []
     head_trials = [t for t in result.trials if t.get("batch_size") in (None, head_batch)]
-    plot_throughput_vs_gamma(predictions, throughput, tuned=profile["tuned"],
+    plot_throughput_vs_gamma(race.get("predictions") or [], throughput, tuned=profile["tuned"],
                              results=profile["results"], trials=head_trials)
     by_batch = beside(".batch.png")
     plot_throughput_vs_batch(profile, by_batch)
     report = write_report(profile, result.trials, beside(".report.md"),
-                          {"acceptance vs sparsity": acceptance.name,
+                          {"acceptance vs budget": acceptance.name,
                            "throughput vs gamma": throughput.name,
                            "throughput vs batch size": by_batch.name}, previous=previous)
     return {"trials": str(trials_path), "acceptance_plot": str(acceptance),

@@ -1,10 +1,10 @@
 """Checks of a tuning run's settings before any model is loaded.
 
-A bad value found after the model has loaded (or after step 1 has run for minutes)
+A bad value found after the model has loaded (or after the sweep has run for minutes)
 wastes the user's time, and an unwritable path found by the writer is a traceback or an
 "internal error". Each check here raises ``VegasError`` with one line that names where
-the value came from: the flag (``--tolerance``), the environment variable
-(``VEGAS_TUNE_TOLERANCE``) or the config file and key (``tune.yaml: tolerance``);
+the value came from: the flag (``--precision``), the environment variable
+(``VEGAS_TUNE_PRECISION``) or the config file and key (``tune.yaml: precision``);
 ``labels`` maps each setting's name to that name.
 """
 
@@ -20,12 +20,9 @@ from vegas_core.errors import VegasError
 from vegas_core.spec_config import MAX_GAMMA
 
 # Settings that count something, so must be whole numbers >= 1.
-POSITIVE_INTS = ("batch_size", "max_new_tokens", "num_prompts", "probe_gamma", "gamma_max",
-                 "min_tokens", "gamma_candidates", "refine_trials")
-# Settings that count something optional, so must be whole numbers >= 0.
-NON_NEGATIVE_INTS = ("refine_trials_below",)
+POSITIVE_INTS = ("batch_size", "max_new_tokens", "num_prompts", "probe_gamma", "candidates")
 # Settings that are draft lengths, bounded by what the engine accepts.
-GAMMA_SETTINGS = ("probe_gamma", "gamma_max")
+GAMMA_SETTINGS = ("probe_gamma",)
 # numpy's seed range, which optuna's samplers pass the seed to.
 MAX_SEED = 2**32 - 1
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -45,10 +42,10 @@ def _label(labels: Mapping[str, str], name: str) -> str:
 
 def check_values(values: Mapping[str, Any], labels: Mapping[str, str] | None = None) -> None:
     """Range checks of the tune settings present in ``values`` (None values skipped):
-    counts >= 1 (>= 0 where optional), gammas <= the engine's maximum, 0 <= seed <= ``MAX_SEED``,
-    0 <= tolerance < 1, temperature >= 0, time_budget > 0, 0 < precision < 1,
-    max_rounds >= the tuner's minimum, a known log level."""
-    from vegas_tune.tuner import MIN_ROUNDS, min_new_tokens
+    counts >= 1, gammas <= the engine's maximum, 0 <= seed <= ``MAX_SEED``, temperature >= 0,
+    time_budget > 0, 0 < precision < 1, max_rounds >= the tuner's minimum, budgets below
+    the context, a known log level."""
+    from vegas_tune.steps import MIN_ROUNDS, min_new_tokens
 
     labels = labels or {}
 
@@ -64,19 +61,19 @@ def check_values(values: Mapping[str, Any], labels: Mapping[str, str] | None = N
         for item in given if isinstance(given, (list, tuple)) else [given]:
             if item is not None and item < 1:
                 raise VegasError(f"{_label(labels, name)} must be >= 1, got {item}")
-    for name in NON_NEGATIVE_INTS:
-        if value(name) is not None and value(name) < 0:
-            fail(name, ">= 0")
     for name in GAMMA_SETTINGS:
         if value(name) is not None and value(name) > MAX_GAMMA:
             fail(name, f"<= {MAX_GAMMA} (the most draft tokens the engine accepts)")
     if value("seed") is not None and not 0 <= value("seed") <= MAX_SEED:
         fail("seed", f"between 0 and {MAX_SEED}")
-    for name in ("tolerance", "temperature", "time_budget", "precision"):
+    for name in ("temperature", "time_budget", "precision"):
         if value(name) is not None and not math.isfinite(value(name)):
             fail(name, "a finite number")
-    if value("tolerance") is not None and not 0 <= value("tolerance") < 1:
-        fail("tolerance", "in [0, 1) (a share of the plateau, e.g. 0.03)")
+    budgets, ctx = value("budgets"), value("ctx")
+    if budgets and ctx and min(budgets) >= ctx:
+        raise VegasError(f"{_label(labels, 'budgets')} {','.join(map(str, budgets))}: every "
+                         f"budget covers the whole {ctx}-token prompt of {_label(labels, 'ctx')}; "
+                         "give budgets below it")
     if value("temperature") is not None and value("temperature") < 0:
         fail("temperature", ">= 0 (0 = greedy)")
     if value("time_budget") is not None and value("time_budget") <= 0:
@@ -234,7 +231,7 @@ def check_tune(settings, labels: Mapping[str, str] | None = None) -> None:
                      max_new_tokens=settings.max_new_tokens,
                      # Larger sizes that do not fit are recorded as not tuned at run time.
                      batch_size=min(settings.batch_sizes),
-                     extra_tokens=settings.options.gamma_max + 1, labels=labels)
+                     extra_tokens=MAX_GAMMA + 1, labels=labels)
     if settings.out is not None:
         check_out(Path(settings.out).expanduser(), _label(labels, "out"))
     else:

@@ -23,6 +23,7 @@ Public API: the models below, ``read_yaml``, ``load_profile``, ``write_profile``
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -39,14 +40,14 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
 from vegas_core.errors import VegasError
 from vegas_core.yamlio import MAX_YAML_BYTES, read_yaml, read_yaml_file  # noqa: F401 (public here too)
 from vegas_core.spec_config import (COLLECT, DRAFTERS, GRANULARITIES, MAX_GAMMA, MAX_WINDOW,
-                                    SCORES)
+                                    SCORES, SpecConfig)
 from vegas_core.schedule import VANILLA, SpecSchedule  # VANILLA: public here too
+from vegas_tune.options import TARGETS
+from vegas_tune.space import fits_target
 
-SCHEMA_VERSION = 3
-# Profiles of this older version are read by upgrading them (``profile_from_dict``).
-UPGRADABLE_VERSION = 2
-
-
+SCHEMA_VERSION = 4
+# Profiles of these older versions are read by upgrading them (``profile_from_dict``).
+UPGRADABLE_VERSIONS = (2, 3)
 
 # Relative slack when checking low <= value <= high: floating-point sums, and a mean and
 # its interval ends rounded to different digits, can leave a mean a last digit outside.
@@ -155,6 +156,12 @@ class Tuned(_Strict):
     granularity: Annotated[str, _one_of(GRANULARITIES)]
     window: float = Field(ge=0.0, le=MAX_WINDOW,
                           description="budget share reserved for sink and recent tokens")
+
+    def spec(self) -> SpecConfig:
+        """The engine's configuration for these settings."""
+        return SpecConfig(drafter=self.drafter, gamma=self.gamma, sparsity=self.sparsity_ratio,
+                          min_tokens=self.min_tokens, collect=self.collect, score=self.score,
+                          granularity=self.granularity, window=self.window)
 
 
 class ModelInfo(_Strict):
@@ -318,15 +325,20 @@ class NotTuned(_Strict):
     reason: str
 
 
-class GammaPrediction(_Strict):
-    """The cost model's throughput for one (gamma, sparsity), and the measured one where
-    it was run (``vegas_tune.costmodel``)."""
+class Prediction(_Strict):
+    """The cost model's throughput for one configuration, and the measured one where it
+    was raced (``vegas_tune.costmodel``). Profiles before schema 4 name only gamma and
+    sparsity (the configuration fields are null there)."""
 
+    drafter: Annotated[str, _one_of(DRAFTERS)] | None = None
+    score: Annotated[str, _one_of(SCORES)] | None = None
+    window: float | None = Field(default=None, ge=0.0, le=MAX_WINDOW)
+    budget: int | None = Field(default=None, ge=1, description="draft budget, KV slots")
     gamma: int = Field(ge=1, le=MAX_GAMMA)
     sparsity_ratio: float | None = Field(default=None, gt=0.0, le=1.0)
     predicted_tokens_per_second: float
-    # Tokens per iteration the prediction assumed (step 1's acceptance), and what the
-    # measurement accepted: with the throughputs they split a miss into acceptance and time.
+    # Tokens per iteration the prediction assumed, and what the race accepted: with the
+    # throughputs they split a miss into acceptance and time.
     predicted_mean_accepted_length: float | None = Field(default=None, ge=1.0)
     measured_tokens_per_second: Positive | None
     measured_mean_accepted_length: float | None = Field(default=None, ge=1.0)
@@ -334,7 +346,7 @@ class GammaPrediction(_Strict):
     measured_speedup_interval: Interval | None = None
 
     @model_validator(mode="after")
-    def _interval_contains_mean(self) -> GammaPrediction:
+    def _interval_contains_mean(self) -> Prediction:
         _check_intervals(self)
         return self
 
@@ -349,10 +361,12 @@ class StepSummary(_Strict):
     trials: int = Field(ge=0)
     chosen: dict[str, Scalar]
     notes: str = ""
-    predictions: list[GammaPrediction] = Field(default_factory=list)
-    # Measured configurations whose speedup interval overlaps the best mean's: the step
-    # could not tell them apart, and chose the cheapest (see docs/tuning.md).
+    predictions: list[Prediction] = Field(default_factory=list)
+    # Measured configurations whose speedup interval overlaps the pick's after the race's
+    # rounds: the pick has the higher mean (see docs/tuning.md).
     within_noise: list[dict[str, Scalar]] = Field(default_factory=list)
+    # Axes on whose searched edge the pick lies, with the predicted figure there.
+    edges: list[str] = Field(default_factory=list)
 
 
 class Provenance(_Strict):
@@ -413,6 +427,9 @@ class Profile(_Strict):
     """
 
     schema_version: int
+    # Where the profile is served: the configurations it recommends are ones that target
+    # runs as measured (``vegas_tune.space``).
+    target: Annotated[str, _one_of(TARGETS)]
     recommended: bool
     tuned: Tuned
     model: ModelInfo
@@ -477,7 +494,15 @@ class Profile(_Strict):
                 f"{str(self.recommended).lower()}, but the last schedule entry runs "
                 f"{'vanilla' if head.config == VANILLA else 'speculatively'}; recommended "
                 "says whether the largest tuned size runs speculatively")
-        _check_exports(self.exports, self.tuned, self.workload, head.batch_size)
+        for index, entry in enumerate(self.schedule):
+            for name in ("config", "measured"):
+                config = getattr(entry, name)
+                if isinstance(config, Tuned):
+                    why = fits_target(config.spec(), self.target)
+                    if why:
+                        raise _FieldProblem(("schedule", index, name),
+                                            f"{why} (the profile's target is {self.target})")
+        _check_exports(self.exports, self.tuned, self.workload, head.batch_size, self.target)
         return self
 
     def spec_schedule(self) -> SpecSchedule:
@@ -522,13 +547,14 @@ def _mismatch(found: dict[str, Any], expected: dict[str, Any],
 _REGENERATE = "; exports must be derived from tuned (re-run the tuner, or fix the value)"
 
 
-def _check_exports(exports: Exports, tuned: Tuned, workload: Workload, batch: int) -> None:
+def _check_exports(exports: Exports, tuned: Tuned, workload: Workload, batch: int,
+                   target: str) -> None:
     """Raise ``_FieldProblem`` unless every export says what ``tuned`` says, served at
     ``batch`` sequences of ``workload``'s context plus new tokens."""
     # export.py imports this module at its top; importing it here, at validation time,
     # avoids the cycle and keeps one definition of each export.
-    from vegas_tune.export import (VLLM_SPECULATIVE_KEY, engine_settings, vllm_serve_config,
-                                   vllm_speculative_config)
+    from vegas_tune.export import (VLLM_SPECULATIVE_KEY, engine_settings, vllm_note,
+                                   vllm_serve_config, vllm_speculative_config)
 
     problem = _mismatch(exports.vegas, engine_settings(tuned))
     if problem:
@@ -569,15 +595,22 @@ def _check_exports(exports: Exports, tuned: Tuned, workload: Workload, batch: in
     if speculative is None or not isinstance(in_json, dict):
         if in_json != speculative:
             raise _FieldProblem(json_loc, f"expected {json.dumps(speculative)}{_REGENERATE}")
-        return
-    problem = _mismatch(in_json, speculative)
-    if problem:
-        raise _FieldProblem(json_loc, f"key {'.'.join(problem[0])!r}: {problem[1]}{_REGENERATE}")
+    else:
+        problem = _mismatch(in_json, speculative)
+        if problem:
+            raise _FieldProblem(json_loc,
+                                f"key {'.'.join(problem[0])!r}: {problem[1]}{_REGENERATE}")
+    # Checked for every configuration, one without a speculative config too.
+    note = vllm_note(tuned, target)
+    if exports.vllm.note != note:
+        raise _FieldProblem(("exports", "vllm", "note"), f"expected {note!r}{_REGENERATE}")
 
 
 def _version_message(found: Any) -> str:
+    older = " and ".join(map(str, UPGRADABLE_VERSIONS))
     return (f"unsupported schema_version {found!r}; this vegas-tune reads version "
-            f"{SCHEMA_VERSION} (re-run the tuner, or use the vegas-tune that wrote it)")
+            f"{SCHEMA_VERSION} (and upgrades {older}); re-run the tuner, or use the "
+            "vegas-tune that wrote it")
 
 
 # --- reading and writing -------------------------------------------------------------
@@ -617,8 +650,11 @@ def profile_from_dict(data: Any, source: str = "<dict>") -> Profile:
                          f"got {kind}")
     # A profile from another schema version would fail on many fields; say why once.
     version = data.get("schema_version", SCHEMA_VERSION)
-    if version == UPGRADABLE_VERSION:
+    if version == 2:
         data = _upgrade_from_2(data, source)
+        version = 3
+    if version == 3:
+        data = _upgrade_from_3(data, source)
     elif version != SCHEMA_VERSION:
         raise VegasError(f"{source}: invalid profile: schema_version: {_version_message(version)}")
     try:
@@ -649,7 +685,7 @@ def _upgrade_from_2(data: dict, source: str) -> dict:
         try:
             upgraded["exports"] = build_exports(
                 model_id, Tuned.model_validate(upgraded["tuned"]), batch,
-                workload["ctx"] + workload["max_new_tokens"]).model_dump()
+                workload["ctx"] + workload["max_new_tokens"], "vegas").model_dump()
         except (ValidationError, TypeError):
             # An invalid tuned or workload value: validating the upgraded data names it.
             pass
@@ -657,6 +693,25 @@ def _upgrade_from_2(data: dict, source: str) -> dict:
         raise VegasError(f"{source}: invalid profile: a schema 2 profile that cannot be read as "
                          f"schema {SCHEMA_VERSION} ({type(error).__name__}: "
                          f"{str(error).splitlines()[0]}); re-run the tuner") from None
+    upgraded["schema_version"] = 3
+    return upgraded
+
+
+def _upgrade_from_3(data: dict, source: str) -> dict:
+    """A schema 3 profile as schema 4: tuned for this engine (``target: vegas``: schema 3
+    tunes searched scores and windows the vLLM fork cannot run), its vLLM note saying
+    so. Its figures and steps are unchanged."""
+    from vegas_tune.export import vllm_note
+
+    # A deep copy; not through JSON, which fails on values YAML may hold (an unquoted
+    # timestamp is a datetime) that validation then names.
+    upgraded = copy.deepcopy(data)
+    upgraded["target"] = "vegas"
+    try:
+        upgraded["exports"]["vllm"]["note"] = vllm_note(
+            Tuned.model_validate(upgraded["tuned"]), "vegas")
+    except (KeyError, TypeError, ValidationError):
+        pass  # validating the upgraded data names what is wrong
     upgraded["schema_version"] = SCHEMA_VERSION
     # Keys in schema order, as a profile written now would have them.
     order = list(Profile.model_fields)

@@ -21,11 +21,12 @@ from typing import TextIO
 class ProgressEvent:
     """One update from the tuner.
 
-    step: ``sparsity``, ``gamma``, ``refine``, ``baselines`` (or ``baseline vanilla``);
+    step: ``sweep``, ``extend``, ``race`` (``race @ batch 64`` when several sizes are tuned);
     done / total: finished trials of that step (earlier runs' included on resume);
-    best: the step's best so far in words, e.g. ``gamma 3: 1.42x [1.38, 1.46]``, or None;
-    unit: what done / total count: ``trials``, or ``rounds`` (the baselines step measures
-    one configuration set in repeated rounds).
+    best: the step's best so far in words, e.g. ``1.42x [1.38, 1.46] over vanilla, 3
+    racing``, or None;
+    unit: what done / total count: ``trials``, or ``rounds`` (the race measures its
+    configurations in repeated rounds).
     """
 
     step: str
@@ -157,7 +158,7 @@ class ProgressReporter:
                 self._write(self.status_line(event.step, now))
 
     def status_line(self, name: str, now: float | None = None, running: bool = False) -> str:
-        """``vegas-tune: step refine: 3/8 trials, best ..., elapsed 2m10s, about 3m left
+        """``vegas-tune: step sweep: 3/10 trials, best ..., elapsed 2m10s, about 3m left
         in this step``; ``running``: the heartbeat's form, saying how long the trial in
         progress has taken so far."""
         now = self.clock() if now is None else now

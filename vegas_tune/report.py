@@ -18,26 +18,20 @@ from pathlib import Path
 from vegas_core.errors import VegasError
 
 # Columns that lead the trials table, in this order; any other keys follow.
-TRIAL_COLUMNS = ("step", "number", "state", "sparsity", "gamma", "min_tokens", "collect",
-                 "score", "granularity", "window", "mean_accepted_length",
-                 "tokens_per_second", "predicted_tokens_per_second")
+TRIAL_COLUMNS = ("step", "batch_size", "number", "state", "config", "chosen", "drafter", "score",
+                 "window", "budget", "gamma", "sparsity", "min_tokens", "collect",
+                 "granularity", "mean_accepted_length", "tokens_per_second", "speedup")
 TABLE_FORMATS = (".csv", ".parquet")
-SPARSITY_STEP = "sparsity"
-GAMMA_STEP = "gamma"
-BASELINES_STEP = "baselines"
-# The baselines step's configurations, in table order, with the label each row gets.
-BASELINE_LABELS = {"chosen": "chosen (the tuned settings)",
-                   "vanilla": "vanilla (no speculation)",
-                   "streaming": "streaming drafter (same budget)"}
+SWEEP_STEP = "sweep"
+RACE_STEP = "race"
 VANILLA_CONFIG = "vanilla"
 COMPLETE = "COMPLETE"
 BEST_TRIALS_PER_STEP = 3
 # Trials are ranked by the first of these a step has: what it measured, else its proxy.
-TRIAL_RANKING = ("tokens_per_second", "mean_accepted_length", "predicted_tokens_per_second")
+TRIAL_RANKING = ("tokens_per_second", "mean_accepted_length")
 # Columns of the best-trials tables, shown when the step's trials have them.
-BEST_TRIAL_COLUMNS = ("number", "config", "sparsity", "gamma", "min_tokens", "collect",
-                      "score", "granularity", "window", "mean_accepted_length",
-                      "tokens_per_second", "speedup", "predicted_tokens_per_second")
+BEST_TRIAL_COLUMNS = ("number", "drafter", "score", "window", "budget", "gamma",
+                      "mean_accepted_length", "tokens_per_second")
 # A measured figure's confidence interval: in trial rows and step mappings as
 # ``<name>_low`` / ``<name>_high``, in the profile's results as ``<name>_interval``.
 LOW_SUFFIX, HIGH_SUFFIX, INTERVAL_SUFFIX = "_low", "_high", "_interval"
@@ -55,7 +49,6 @@ REFERENCE_ENGINE = "pytorch-reference"
 FIGURE_SIZE_IN = (6.4, 4.0)
 FIGURE_DPI = 120
 CHOSEN_COLOR = "tab:red"
-STEP1_COLOR = "tab:gray"
 VANILLA_COLOR = "tab:green"
 # Opacity of the vanilla interval band: visible, without hiding the points over it.
 BAND_ALPHA = 0.15
@@ -117,69 +110,80 @@ def _uniform(column):
 
 # --- Plots ---------------------------------------------------------------------------
 
-def acceptance_figure(trials: list[dict], tuned: dict | None = None,
-                      step1_sparsity: float | None = None):
-    """The figure ``plot_acceptance_vs_sparsity`` saves (a matplotlib ``Figure``).
+def acceptance_figure(trials: list[dict], tuned: dict | None = None, batch: int | None = None):
+    """The figure ``plot_acceptance_vs_budget`` saves (a matplotlib ``Figure``).
 
-    Points: the sparsity step's trials. Marks: ``tuned["sparsity_ratio"]`` (the
-    profile's value) as "tuned: x", and ``step1_sparsity`` (what step 1 chose by
-    acceptance, before ``refine`` could move it) as "step 1: y"; one line when equal.
-    """
-    points = _series([t for t in trials if t.get("step") == SPARSITY_STEP],
-                     "sparsity", "mean_accepted_length")
+    Points: the sweep's runs at ``batch`` (every size's when None), mean accepted length
+    against the budget in slots, one line per selection (drafter, score, window) at the
+    sweep's gamma. Mark: ``tuned["min_tokens"]``, the profile's budget."""
+    runs = [t for t in trials if t.get("step") == SWEEP_STEP and t.get("drafter") not in
+            (None, VANILLA_CONFIG) and (batch is None or t.get("batch_size") == batch)]
+    top = max((t.get("gamma") or 0 for t in runs), default=0)
+    by_selection: dict[str, list[dict]] = {}
+    for t in runs:
+        if t.get("gamma") == top:
+            by_selection.setdefault(_selection_words(t), []).append(t)
     figure, axes = _figure()
-    if points:
-        xs, ys = zip(*points)
-        axes.plot(xs, ys, "o", label="trial")
-    else:
-        _say_empty(axes, "no completed sparsity trials")
-    tuned_sparsity = (tuned or {}).get("sparsity_ratio")
-    if _is_number(step1_sparsity) and step1_sparsity != tuned_sparsity:
-        axes.axvline(step1_sparsity, color=STEP1_COLOR, linestyle=":",
-                     label=f"step 1: {step1_sparsity:g}")
-    if _is_number(tuned_sparsity):
-        same = " (= step 1)" if step1_sparsity == tuned_sparsity else ""
-        axes.axvline(tuned_sparsity, color=CHOSEN_COLOR, linestyle="--",
-                     label=f"tuned{same}: {tuned_sparsity:g}")
-    axes.set_xlabel("sparsity ratio (share of the context the drafter attends to)")
-    axes.set_ylabel("mean accepted length (tokens per iteration)")
-    axes.set_title("Acceptance vs sparsity")
+    for label, rows in sorted(by_selection.items()):
+        points = _series(rows, "budget", "mean_accepted_length")
+        if points:
+            axes.plot(*zip(*points), "-o", label=label)
+    if not by_selection:
+        _say_empty(axes, "no completed sweep runs")
+    budget = (tuned or {}).get("min_tokens")
+    if _is_number(budget):
+        axes.axvline(budget, color=CHOSEN_COLOR, linestyle="--", label=f"tuned: {budget} slots")
+    if by_selection:
+        axes.set_xscale("log", base=2)
+    axes.set_xlabel("draft budget (KV slots per layer and sequence)")
+    axes.set_ylabel(f"mean accepted length at gamma {top}" if top else "mean accepted length")
+    axes.set_title("Acceptance vs budget")
     _decorate(axes)
     return figure
 
 
-def plot_acceptance_vs_sparsity(trials: list[dict], path, tuned: dict | None = None,
-                                step1_sparsity: float | None = None) -> Path:
-    """PNG of mean accepted length against sparsity for the sparsity step's trials.
-
-    ``tuned`` is the profile's ``tuned`` mapping: its ``sparsity_ratio`` is marked
-    "tuned"; ``step1_sparsity``, step 1's choice, is marked "step 1" (see
-    ``acceptance_figure``).
-    """
-    _save(acceptance_figure(trials, tuned, step1_sparsity), path)
+def plot_acceptance_vs_budget(trials: list[dict], path, tuned: dict | None = None,
+                              batch: int | None = None) -> Path:
+    """PNG of mean accepted length against the budget for the sweep's runs at ``batch``
+    (see ``acceptance_figure``); ``tuned`` is the profile's ``tuned`` mapping."""
+    _save(acceptance_figure(trials, tuned, batch), path)
     return Path(path)
+
+
+def _selection_words(row: dict) -> str:
+    """``vegas weight, window 0.5`` / ``streaming``: a row's selection rule."""
+    if row.get("drafter") != "vegas":
+        return str(row.get("drafter"))
+    window = row.get("window")
+    return f"vegas {row.get('score')}" + (f", window {window:g}" if window else "")
+
+
+def _configuration_words(row: dict) -> str:
+    """``vegas weight, 256 slots``: a prediction's or trial's selection and budget."""
+    budget = row.get("budget") if row.get("budget") is not None else row.get("min_tokens")
+    return f"{_selection_words(row)}, {_cell(budget)} slots"
 
 
 def throughput_figure(predictions: list[dict], tuned: dict | None = None,
                       results: dict | None = None, trials: list[dict] | None = None):
     """The figure ``plot_throughput_vs_gamma`` saves (a matplotlib ``Figure``).
 
-    Predicted tokens/s as a line; measured tokens/s as points with error bars where an
-    interval exists (the gamma step's trial rows, else the predictions' measured values);
+    Predicted tokens/s as a line per configuration whose whole curve the profile keeps
+    (the pick's and the best streaming one's); measured tokens/s as points with error
+    bars where an interval exists (the race's trial rows, else the predictions' measured
+    values);
     vanilla decoding's throughput from ``results`` as a horizontal line with its
     interval as a band; ``tuned["gamma"]`` marked "tuned".
     """
     figure, axes = _figure()
-    by_sparsity: dict[object, list[dict]] = {}
+    by_config: dict[str, list[dict]] = {}
     for p in predictions:
-        by_sparsity.setdefault(p.get("sparsity_ratio"), []).append(p)
+        by_config.setdefault(_configuration_words(p), []).append(p)
     predicted = False
-    for sparsity, rows in sorted(by_sparsity.items(), key=lambda item: item[0] or 0):
+    for label, rows in sorted(by_config.items()):
         line = _series(rows, "gamma", "predicted_tokens_per_second")
-        if line:
-            label = ("predicted" if sparsity is None or len(by_sparsity) == 1
-                     else f"predicted, sparsity {sparsity:g}")
-            axes.plot(*zip(*line), "-", marker=".", label=label)
+        if len(line) > 1:  # a curve over gamma (single points are other curves' bests)
+            axes.plot(*zip(*line), "-", marker=".", label=f"predicted, {label}")
             predicted = True
     measured = _measured_by_gamma(trials or [], predictions)
     if measured:
@@ -216,7 +220,7 @@ def plot_throughput_vs_gamma(predictions: list[dict], path, tuned: dict | None =
     Each prediction has ``gamma``, ``predicted_tokens_per_second`` and
     ``measured_tokens_per_second`` (None where it was not measured). ``tuned`` is the
     profile's ``tuned`` mapping (its gamma is marked), ``results`` the profile's results
-    (vanilla's throughput and interval), ``trials`` the trial rows (the gamma step's
+    (vanilla's throughput and interval), ``trials`` the trial rows (the race's
     intervals); see ``throughput_figure``.
     """
     _save(throughput_figure(predictions, tuned, results, trials), path)
@@ -233,7 +237,7 @@ def batch_figure(profile: dict):
     entries = profile.get("schedule") or []
     figure, axes = _figure()
     series = (("vanilla_tokens_per_second", "vanilla", VANILLA_COLOR),
-              ("streaming_tokens_per_second", "streaming (same budget)", STREAMING_COLOR),
+              ("streaming_tokens_per_second", "best streaming", STREAMING_COLOR),
               ("tokens_per_second", "best speculative (hollow: vanilla runs)", CHOSEN_COLOR))
     drawn = False
     for name, label, color in series:
@@ -284,9 +288,9 @@ def _bar(values: dict, name: str) -> tuple[float, float]:
 def _measured_by_gamma(trials: list[dict],
                        predictions: list[dict]) -> list[tuple[float, float, tuple]]:
     """(gamma, tokens/s, (below, above)) of the measured gammas, error bar lengths 0
-    where no interval exists. The gamma step's trial rows carry intervals; the profile's
+    where no interval exists. The race's trial rows carry intervals; the profile's
     predictions only the means, so they are the fallback."""
-    rows = [t for t in trials if t.get("step") == GAMMA_STEP
+    rows = [t for t in trials if t.get("step") == RACE_STEP and t.get("config") != VANILLA_CONFIG
             and t.get("state", COMPLETE) == COMPLETE]
     source, key = ((rows, "tokens_per_second")
                    if _series(rows, "gamma", "tokens_per_second")
@@ -356,7 +360,8 @@ def write_report(profile: dict, trials: list[dict], path, images: dict[str, str]
         _cut_short(profile),
         _changes(profile, previous),
         _workload(profile.get("workload") or {}),
-        _baselines(profile, trials),
+        _race(profile, trials),
+        _edges(steps),
         _steps_table(steps),
         _within_noise(steps, profile.get("results") or {}),
         _cost_model(steps),
@@ -375,7 +380,7 @@ def write_report(profile: dict, trials: list[dict], path, images: dict[str, str]
 # What a re-run's report compares with the profile it replaces: the choice, the headline
 # results, and what it ran on and with.
 _CHANGE_FIELDS = (
-    ("recommended", None),
+    ("target", None), ("recommended", None),
     *((f"tuned.{k}", None) for k in ("drafter", "gamma", "sparsity_ratio", "min_tokens",
                                          "collect", "score", "granularity", "window")),
     ("results.tokens_per_second", ".1f"), ("results.vanilla_tokens_per_second", ".1f"),
@@ -450,20 +455,23 @@ def _summary(profile: dict) -> str:
     batch = (profile.get("workload") or {}).get("batch_size")
     at = f" at batch {batch}, the largest size tuned" if len(schedule) > 1 else ""
     others = " (the schedule below covers the other sizes)" if at else ""
+    target = f" (tuned for {profile['target']})" if profile.get("target") else ""
     if profile.get("recommended"):
-        lines = [f"**Recommended{at}**{others}: {_pairs(tuned)}."]
+        lines = [f"**Recommended{at}**{others}{target}: {_pairs(tuned)}."]
     else:
         lines = [f"**Not recommended{at}: keep vanilla decoding** there for this model, "
                  f"hardware and workload{others}. {_why_not_recommended(profile)}",
                  "",
-                 f"Best found: {_pairs(tuned)}."]
+                 f"Best found{target}: {_pairs(tuned)}."]
     lines += ["",
               f"- Speedup: {_mean_interval(results, 'speedup', '.2f', 'x')} over vanilla"
               f"{_interval_note(results)}; "
-              f"{_mean_interval(results, 'speedup_over_streaming', '.2f', 'x')} over streaming.",
+              f"{_mean_interval(results, 'speedup_over_streaming', '.2f', 'x')} over the best "
+              "streaming configuration found.",
               f"- Throughput: {_mean_interval(results, 'tokens_per_second', '.1f')} tokens/s vs "
               f"{_mean_interval(results, 'vanilla_tokens_per_second', '.1f')} vanilla and "
-              f"{_mean_interval(results, 'streaming_tokens_per_second', '.1f')} streaming.",
+              f"{_mean_interval(results, 'streaming_tokens_per_second', '.1f')} the best "
+              "streaming configuration.",
               f"- Mean accepted length: {_num(results.get('mean_accepted_length'), '.2f')} "
               "tokens per iteration.",
               f"- Selection overhead: {_percent(results.get('selection_overhead'))} of decode time."]
@@ -512,79 +520,54 @@ def _workload(workload: dict) -> str:
     return "## Workload\n\n" + _pairs(workload) + "."
 
 
-def _baselines(profile: dict, trials: list[dict]) -> str:
-    """The final measurement: the chosen settings, vanilla and streaming, each row
-    labelled, each figure with its interval."""
-    rows = _baseline_rows(profile, trials)
+def _race(profile: dict, trials: list[dict]) -> str:
+    """The race at the headline size: every raced configuration beside vanilla, each
+    figure with its interval; the pick and the best streaming configuration marked."""
+    batch = (profile.get("workload") or {}).get("batch_size")
+    rows = [t for t in trials if t.get("step") == RACE_STEP and t.get("config")
+            and t.get("state", COMPLETE) == COMPLETE and t.get("batch_size") in (None, batch)]
     if not rows:
         return ""
+    latest = max(t.get("number") or 0 for t in rows)
+    rows = [t for t in rows if (t.get("number") or 0) == latest]
+    streaming = [t for t in rows if t.get("drafter") == "streaming"]
+    # As the profile's streaming figures (tuner.race_size): a streaming pick is the best
+    # streaming configuration, even beside one that dropped out with a higher mean.
+    best_streaming = next((t for t in streaming if t.get("chosen")), None) or (
+        max(streaming, key=lambda t: t.get("speedup") or 0) if streaming else None)
     table = []
-    for config, row in rows.items():
-        speedup = _mean_interval(row, "speedup", ".2f", "x")
-        if config == VANILLA_CONFIG and speedup == MISSING:
-            speedup = "1.00x (reference)"  # vanilla over itself, by definition
-        table.append([_cell(BASELINE_LABELS.get(config, config)),
-                      _mean_interval(row, "tokens_per_second", ".1f"), speedup,
-                      _num(row.get("mean_accepted_length"), ".2f"), _cell(row.get("rounds"))])
+    for t in sorted(rows, key=lambda t: -(t.get("speedup") or (1.0 if t.get("config") ==
+                                                                   VANILLA_CONFIG else 0))):
+        vanilla = t.get("config") == VANILLA_CONFIG
+        marks = [m for m, on in (("the pick", t.get("chosen")),
+                                 ("best streaming", t is best_streaming)) if on]
+        what = "vanilla (no speculation)" if vanilla else (
+            f"{_configuration_words(t)}, gamma {_cell(t.get('gamma'))}"
+            + (f" ({', '.join(marks)})" if marks else ""))
+        table.append([what, _mean_interval(t, "tokens_per_second", ".1f"),
+                      "1.00x (reference)" if vanilla else _mean_interval(t, "speedup", ".2f", "x"),
+                      _num(t.get("mean_accepted_length"), ".2f"), _cell(t.get("rounds"))])
     results = profile.get("results") or {}
     intro = (f"Mean [low, high] ({_level(results)}interval) over interleaved rounds: each "
-             "round measures the three configurations one after another, so drift between "
-             "rounds affects all of them alike.")
-    batch = (profile.get("workload") or {}).get("batch_size")
+             "round measures vanilla and every configuration still racing one after another, "
+             "so drift between rounds affects all of them alike. A configuration whose "
+             "interval fell wholly below the leader's stopped early (fewer rounds); the pick "
+             "is the highest mean of those that ran to the end.")
     if len(profile.get("schedule") or []) > 1:
         intro = f"At batch {batch}, the largest size tuned. " + intro
-    return ("## Baselines\n\n" + intro + "\n\n"
+    return ("## Race\n\n" + intro + "\n\n"
             + _table(["configuration", "tokens/s", "speedup vs vanilla",
                       "mean accepted length", "rounds"], table))
 
 
-def _baseline_rows(profile: dict, trials: list[dict]) -> dict[str, dict]:
-    """config -> measurement, in ``BASELINE_LABELS`` order: the rows of the baselines
-    trial behind the profile's results, else the profile's results themselves.
-
-    One baselines trial gives one row per config. The study may also hold trials of an
-    earlier run's choice; the one whose chosen throughput is the profile's is taken, else
-    the latest.
-    """
-    results = profile.get("results") or {}
-    batch = (profile.get("workload") or {}).get("batch_size")
-    by_trial: dict[object, dict[str, dict]] = {}
-    for row in trials:
-        if (row.get("step") == BASELINES_STEP and row.get("config")
-                and row.get("state", COMPLETE) == COMPLETE
-                and row.get("batch_size") in (None, batch)):
-            by_trial.setdefault(row.get("number"), {})[str(row["config"])] = row
-    found: dict[str, dict] = {}
-    if by_trial:
-        latest = by_trial[max(by_trial, key=lambda number: number or 0)]
-        found = next((rows for rows in by_trial.values()
-                      if _same_figure((rows.get("chosen") or {}).get("tokens_per_second"),
-                                      results.get("tokens_per_second"))), latest)
-    if not found and _is_number(results.get("tokens_per_second")):
-        found = {"chosen": {**_renamed(results, "tokens_per_second", "tokens_per_second"),
-                            **_renamed(results, "speedup", "speedup"),
-                            "mean_accepted_length": results.get("mean_accepted_length"),
-                            "rounds": results.get("rounds")}}
-        for config in ("vanilla", "streaming"):
-            found[config] = {**_renamed(results, f"{config}_tokens_per_second",
-                                        "tokens_per_second"),
-                             "rounds": results.get("rounds")}
-    order = list(BASELINE_LABELS)
-    return dict(sorted(found.items(),
-                       key=lambda item: order.index(item[0]) if item[0] in order else len(order)))
-
-
-def _same_figure(measured, written) -> bool:
-    """Whether ``written`` (a profile figure, rounded) is ``measured`` (a trial's)."""
-    return (_is_number(measured) and _is_number(written)
-            and math.isclose(measured, written, rel_tol=FIGURE_REL_TOL,
-                             abs_tol=FIGURE_ABS_TOL))
-
-
-def _renamed(values: dict, name: str, new_name: str) -> dict:
-    """``values[name]`` and its interval under ``new_name``."""
-    return {new_name: values.get(name),
-            new_name + INTERVAL_SUFFIX: values.get(name + INTERVAL_SUFFIX)}
+def _edges(steps: list[dict]) -> str:
+    """The axes on whose searched edge a size's pick lies, with the figure there."""
+    lines = [f"- {_step_label(step)}: {edge}" for step in steps for edge in step.get("edges") or []]
+    if not lines:
+        return ""
+    return ("## Search edges\n\nThe pick lies on the edge of what was searched here (the "
+            "tuner extends each axis once where a best prediction lies on its edge):\n\n"
+            + "\n".join(lines))
 
 
 def _steps_table(steps: list[dict]) -> str:
@@ -616,10 +599,9 @@ def _within_noise(steps: list[dict], results: dict) -> str:
                          _mean_interval(values, "tokens_per_second", ".1f")])
     if not rows:
         return ""
-    intro = (f"These measured configurations have a speedup whose {_level(results)}interval "
-             "overlaps the interval of the step's best mean: the tuner could not tell them "
-             "apart, so it chose the cheapest of them (smaller gamma, then smaller "
-             "sparsity, then window 0 and score logit).")
+    intro = (f"These raced configurations still have a speedup whose {_level(results)}"
+             "interval overlaps the pick's after the race's rounds: the data cannot order "
+             "them, and the pick is the higher mean (never the smaller parameter).")
     return ("## Within noise\n\n" + intro + "\n\n"
             + _table(["step", "configuration", "speedup vs vanilla", "tokens/s"], rows))
 
@@ -630,16 +612,20 @@ def _predictions_tables(steps: list[dict]) -> str:
         predictions = step.get("predictions") or []
         if not predictions:
             continue
-        rows = [[_cell(p.get("gamma")), _cell(p.get("sparsity_ratio")),
+        rows = [[_configuration_words(p), _cell(p.get("gamma")),
                  _num(p.get("predicted_tokens_per_second"), ".1f"),
                  _num(p.get("measured_tokens_per_second"), ".1f"),
                  _signed_percent(_prediction_error(p)),
                  _mean_interval(p, "measured_speedup", ".2f", "x")]
-                for p in sorted(predictions, key=lambda p: (p.get("gamma") or 0,
-                                                             p.get("sparsity_ratio") or 0))]
-        tables.append(f"## Throughput by gamma ({_step_label(step)} step)\n\n"
-                      + _table(["gamma", "sparsity", "predicted tokens/s", "measured tokens/s",
-                                "prediction error", "measured speedup"], rows))
+                for p in sorted(predictions, key=lambda p: (
+                    -(p.get("predicted_tokens_per_second") or 0)))]
+        tables.append(f"## Predictions ({_step_label(step)})\n\n"
+                      "Each configuration's best gamma, every gamma of the pick's and of the "
+                      "best streaming configuration's, and every raced one; fastest predicted "
+                      "first.\n\n"
+                      + _table(["configuration", "gamma", "predicted tokens/s",
+                                "measured tokens/s", "prediction error", "measured speedup"],
+                               rows))
     return "\n\n".join(tables)
 
 
@@ -675,9 +661,11 @@ def _cost_model(steps: list[dict]) -> str:
     misses = [(step, p, error) for step, p, error in points
               if abs(error) > COST_MODEL_TOLERANCE]
     lines = ["## Cost model", "",
-             f"The gamma step predicts tokens/s for every gamma and step-1 sparsity from "
-             f"step 1's acceptance and, at each batch size, one vanilla run and up to three "
-             f"probe runs (see vegas_tune.costmodel); then it measures the best predicted. Over {len(points)} measured points the prediction error ranges "
+             "At each batch size the cost model predicts tokens/s for every configuration "
+             "and gamma from the sweep's runs (acceptance by draft position and step times at "
+             "the probe gamma) and a short probe's cost per drafted token "
+             f"(vegas_tune.costmodel); the race then measures the best predicted. Over "
+             f"{len(points)} raced points the prediction error ranges "
              f"from {_signed_percent(min(e for *_, e in points))} to "
              f"{_signed_percent(max(e for *_, e in points))} (largest "
              f"{100 * worst:.1f}%; tolerance {COST_MODEL_TOLERANCE:.0%})."]
@@ -685,8 +673,8 @@ def _cost_model(steps: list[dict]) -> str:
         lines += ["", "Outside the tolerance:", ""]
         for step, p, error in misses:
             lines.append(
-                f"- {_step_label(step)}, gamma {p.get('gamma')}, sparsity "
-                f"{_cell(p.get('sparsity_ratio'))}: predicted "
+                f"- {_step_label(step)}, {_configuration_words(p)}, gamma {p.get('gamma')}: "
+                "predicted "
                 f"{_num(p.get('predicted_tokens_per_second'), '.1f')}, measured "
                 f"{_num(p.get('measured_tokens_per_second'), '.1f')} tokens/s "
                 f"({_signed_percent(error)}). {_miss_reason(p, error)}")
@@ -698,7 +686,7 @@ def _cost_model(steps: list[dict]) -> str:
 def _miss_reason(prediction: dict, error: float) -> str:
     """Where a miss comes from: tokens/s = batch x accepted length / iteration time, so
     the prediction's ratio to the measurement splits into the accepted lengths' ratio
-    (step 1's acceptance against what this run accepted) and the iteration times'."""
+    (the sweep's acceptance against what the race accepted) and the iteration times'."""
     assumed = prediction.get("predicted_mean_accepted_length")
     accepted = prediction.get("measured_mean_accepted_length")
     if not (_is_number(assumed) and _is_number(accepted)) or accepted <= 0:
@@ -710,10 +698,10 @@ def _miss_reason(prediction: dict, error: float) -> str:
              f"({_signed_percent(acceptance)})",
              f"iteration time predicted {_signed_percent(-timing / (1.0 + timing))} off "
              "the measured one"]
-    cause = ("acceptance: this run accepted differently from step 1's rates as this "
-             "size's probes rescaled them"
+    cause = ("acceptance: the race accepted differently from the sweep's run at the probe "
+             "gamma"
              if abs(acceptance) >= abs(timing) else
-             "timing: the probes' lines in gamma and K/V share did not hold here")
+             "timing: the line from the probe gamma down to this gamma did not hold here")
     return f"{'; '.join(parts)}; mostly {cause}."
 
 
@@ -729,10 +717,7 @@ def _schedule(profile: dict) -> str:
         span = f"{e.get('batch_min')}-{e.get('batch_max')}"
         config = e.get("config")
         runs = ("vanilla" if config == VANILLA_CONFIG
-                else f"{config.get('drafter')} gamma {config.get('gamma')}, sparsity "
-                     f"{_cell(config.get('sparsity_ratio'))}, {config.get('score')}"
-                     + (f", window {_cell(config.get('window'))}" if config.get("window")
-                        else ""))
+                else f"{_configuration_words(config)}, gamma {config.get('gamma')}")
         rows.append([span, _cell(e.get("batch_size")), _cell(runs),
                      _mean_interval(r, "vanilla_tokens_per_second", ".1f"),
                      _mean_interval(r, "streaming_tokens_per_second", ".1f"),
@@ -744,11 +729,12 @@ def _schedule(profile: dict) -> str:
     intro = ("Each range runs what was best where it was measured (the largest tuned size "
              "at or below it; sizes above the last range use the last entry). Figures are "
              "of the best speculative configuration found at that size, beside vanilla and "
-             "streaming at the same budget; a range runs it only when its speedup's "
+             "the best streaming configuration found there; a range runs it only when its "
+             "speedup's "
              f"{_level(entries[-1].get('results') or {})}interval lies wholly above 1.")
-    table = _table(["batch", "measured at", "runs", "vanilla tokens/s", "streaming tokens/s",
-                    "best speculative tokens/s", "vs vanilla", "vs streaming",
-                    "accepted"], rows)
+    table = _table(["batch", "measured at", "runs", "vanilla tokens/s",
+                    "best streaming tokens/s", "best speculative tokens/s", "vs vanilla",
+                    "vs best streaming", "accepted"], rows)
     return "## Schedule by batch size\n\n" + intro + "\n\n" + table + "\n\n" + "\n".join(
         reasons)
 
@@ -775,13 +761,11 @@ def _cut_short(profile: dict) -> str:
 def _best_trials(trials: list[dict]) -> str:
     by_step: dict[str, list[dict]] = {}
     for trial in trials:
-        # The baselines step is not a search: its rows are the Baselines table.
-        if trial.get("step") != BASELINES_STEP:
+        # The race's rows are the Race table.
+        if trial.get("step") != RACE_STEP:
             batch = trial.get("batch_size")
-            # Step 1 is measured once for every size.
             label = str(trial.get("step", MISSING)) + (
-                "" if not _is_number(batch) or trial.get("step") == SPARSITY_STEP
-                else f" @ batch {batch}")
+                "" if not _is_number(batch) else f" @ batch {batch}")
             by_step.setdefault(label, []).append(trial)
     tables = []
     for step, step_trials in by_step.items():

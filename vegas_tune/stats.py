@@ -1,13 +1,11 @@
-"""Repeated measurements as a mean with a confidence interval, and the tuner's rule for
-choosing between configurations it cannot tell apart."""
+"""Repeated measurements as a mean with a confidence interval."""
 
 from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TypeVar
 
 CONFIDENCE = 0.95
 # Two-sided 95% quantiles of Student's t, t(0.975, df) for df = 1..30; beyond 30 degrees
@@ -83,18 +81,3 @@ def estimate(samples: Sequence[float]) -> Estimate:
     half = t_quantile(n - 1) * statistics.stdev(logs) / math.sqrt(n)
     return Estimate(math.exp(centre), math.exp(centre - half), math.exp(centre + half), n)
 
-
-T = TypeVar("T")
-
-
-def choose_within_noise(candidates: Sequence[T], estimate_of: Callable[[T], Estimate],
-                        cost: Callable[[T], tuple]) -> tuple[T, list[T]]:
-    """The tuner's choice: the candidate with the best mean, unless others' intervals
-    overlap its interval, in which case the cheapest (smallest ``cost``) of those.
-
-    Returns (chosen, the other candidates within noise of the best).
-    """
-    best = max(candidates, key=lambda c: estimate_of(c).mean)
-    tied = [c for c in candidates if estimate_of(c).overlaps(estimate_of(best))]
-    chosen = min(tied, key=cost)
-    return chosen, [c for c in tied if c is not chosen]

@@ -1,0 +1,59 @@
+"""The search space: what each target can serve, and budgets written as slots."""
+
+from __future__ import annotations
+
+import pytest
+
+from vegas_core.spec_config import SpecConfig, draft_budget
+from vegas_tune.space import (FORK_VEGAS, STREAMING, WINDOWS, Point, Selection, budget_ratio,
+                              fits_target, longest_prefix, selections)
+
+
+def test_the_vllm_target_searches_what_the_fork_runs_and_the_vegas_target_everything():
+    fork = selections("vllm")
+    assert fork == [Selection("vegas", "weight", 0.0), STREAMING]
+    engine = selections("vegas")
+    assert len(engine) == 2 * len(WINDOWS) + 1 and STREAMING in engine
+    assert {s.score for s in engine if s.drafter == "vegas"} == {"logit", "weight"}
+    for selection in fork:
+        assert fits_target(Point(selection, 256, 8).spec(9000), "vllm") is None
+
+
+@pytest.mark.parametrize("spec, why", [
+    (SpecConfig(drafter="vegas", score="logit"), "score 'logit'"),
+    (SpecConfig(drafter="vegas", score="weight", window=0.5), "window 0.5"),
+    (SpecConfig(drafter="vegas", score="weight", granularity="kv_head"), "granularity"),
+    (SpecConfig(drafter="quest"), "runs only vegas and streaming"),
+])
+def test_what_the_fork_cannot_run_is_named(spec, why):
+    assert why in fits_target(spec, "vllm")
+    assert fits_target(spec, "vegas") is None
+
+
+@pytest.mark.parametrize("budget", [32, 128, 400, 1024, 4096])
+@pytest.mark.parametrize("ctx, new", [(1024, 32), (8000, 128), (32768, 512), (131072, 64)])
+def test_a_budget_is_that_many_slots_at_every_prefix_of_the_workload(budget, ctx, new):
+    if budget >= ctx:
+        return
+    prefix = longest_prefix(ctx, new)
+    spec = Point(STREAMING, budget, 8).spec(prefix)
+    assert spec.min_tokens == budget and 0 < spec.sparsity < 1
+    for length in (budget + 1, ctx, ctx + new, prefix):
+        assert draft_budget(length, spec.sparsity, spec.min_tokens) == budget
+    # Beyond the workload the budget grows with the context, as the ratio says.
+    assert draft_budget(4 * prefix, spec.sparsity, spec.min_tokens) > budget
+
+
+def test_the_ratio_keeps_three_significant_digits():
+    assert budget_ratio(128, 8385) == 0.0152
+    assert budget_ratio(1024, 8385) == 0.122
+
+
+def test_a_point_round_trips_through_the_engines_config():
+    for selection in selections("vegas"):
+        point = Point(selection, 512, 7)
+        spec = point.spec(9000)
+        assert Point.of(spec) == point
+        assert spec.score == selection.score and spec.window == selection.window
+    assert Point(Selection("vegas", "weight", FORK_VEGAS["window"]), 256, 10).words() == (
+        "vegas weight, 256 slots, gamma 10")

@@ -1,0 +1,181 @@
+"""Exhaustive grids and regret: is the tuner's pick the best configuration there is?
+
+``run_grid`` measures every point of a declared space (``vegas_tune.space``: the
+target's selections x budgets x gammas) once on one workload with the tuner's
+``Measurer``, vanilla interleaved every few points so that each point's speedup is over
+a vanilla run measured minutes, not an hour, away. ``compare`` then races named
+configurations (the grid's best, the picks of one or more profiles) beside vanilla in
+interleaved rounds: the regret of a pick is 1 - its throughput over the best's, round by
+round, with a 95% interval. ``vegas-tune grid`` is the command.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from vegas_core import SpecConfig
+from vegas_core.errors import VegasError
+from vegas_tune.measure import Measurer, interleave, series_attrs
+from vegas_tune.space import Point, selections
+from vegas_tune.stats import Estimate, estimate
+
+# A vanilla run between every this many grid points by default.
+VANILLA_EVERY = 8
+GRID_BEST = "grid #"  # + rank: the grid's best points by their one run
+# Grid points re-measured beside the picks: the best of one run each is partly luck, so
+# the best of these in the comparison's rounds is the reference.
+GRID_TOP = 3
+# The fewest rounds that give a regret an interval.
+MIN_COMPARE_ROUNDS = 2
+
+
+def parse_gammas(text: str) -> tuple[int, ...]:
+    """'4-12' -> 4..12; '6,8,10' -> those; ascending, each >= 1."""
+    raw = str(text).strip()
+    try:
+        if "-" in raw:
+            low, high = (int(x) for x in raw.split("-", 1))
+            gammas = list(range(low, high + 1))
+        else:
+            gammas = [int(x) for x in raw.split(",")]
+    except ValueError:
+        raise VegasError(f"--gammas '{text}': give a range (4-12) or a list (6,8,10)") from None
+    if not gammas or min(gammas) < 1:
+        raise VegasError(f"--gammas '{text}': every gamma must be >= 1")
+    return tuple(sorted(set(gammas)))
+
+
+def grid_points(target: str, budgets: tuple[int, ...], gammas: tuple[int, ...]) -> list[Point]:
+    return [Point(s, b, g) for s in selections(target) for b in budgets for g in gammas]
+
+
+@dataclass
+class GridResult:
+    rows: list[dict]  # one per point: its configuration, tokens/s, speedup, accepted length
+    vanilla: list[dict]  # the vanilla runs, in order, with the index of the point after them
+    wall_seconds: float  # the whole pass, vanilla runs included
+
+    def best(self) -> dict:
+        return max(self.rows, key=lambda r: r["speedup"])
+
+    def top(self, count: int) -> list[dict]:
+        return sorted(self.rows, key=lambda r: -r["speedup"])[:count]
+
+    def to_json(self) -> dict:
+        return {"rows": self.rows, "vanilla": self.vanilla, "wall_seconds": self.wall_seconds}
+
+    @classmethod
+    def from_json(cls, data: dict) -> GridResult:
+        return cls(data["rows"], data["vanilla"], data["wall_seconds"])
+
+
+def run_grid(measurer: Measurer, points: list[Point], longest_prefix: int,
+             vanilla_every: int = VANILLA_EVERY,
+             progress: Callable[[int, int, dict], None] | None = None) -> GridResult:
+    """Measure each point once, vanilla before the first and after every
+    ``vanilla_every`` points (and after the last). A point's speedup is over the mean of
+    the vanilla runs on either side of it."""
+    start = time.perf_counter()
+    vanilla: list[dict] = []
+    rows: list[dict] = []
+
+    def measure_vanilla(index: int) -> None:
+        m = measurer.measure(None)
+        vanilla.append({"before_point": index, "tokens_per_second": m.tokens_per_second,
+                        "wall_seconds": m.wall_seconds})
+
+    for index, point in enumerate(points):
+        if index % vanilla_every == 0:
+            measure_vanilla(index)
+        spec = point.spec(longest_prefix)
+        m = measurer.measure(spec)
+        rows.append({**_point_row(point, spec), "tokens_per_second": m.tokens_per_second,
+                     "mean_accepted_length": m.mean_accepted_length,
+                     "selection_overhead": m.selection_overhead, "wall_seconds": m.wall_seconds})
+        if progress:
+            progress(index + 1, len(points), rows[-1])
+    measure_vanilla(len(points))
+    for index, row in enumerate(rows):
+        before = max((v for v in vanilla if v["before_point"] <= index),
+                     key=lambda v: v["before_point"])
+        after = min((v for v in vanilla if v["before_point"] > index),
+                    key=lambda v: v["before_point"])
+        row["vanilla_tokens_per_second"] = math.sqrt(before["tokens_per_second"]
+                                                     * after["tokens_per_second"])
+        row["speedup"] = row["tokens_per_second"] / row["vanilla_tokens_per_second"]
+    return GridResult(rows, vanilla, time.perf_counter() - start)
+
+
+def _point_row(point: Point, spec: SpecConfig) -> dict:
+    return {"drafter": spec.drafter, "score": spec.score, "window": spec.window,
+            "budget": point.budget, "gamma": point.gamma, "sparsity": spec.sparsity,
+            "min_tokens": spec.min_tokens}
+
+
+def spec_of_row(row: dict) -> SpecConfig:
+    return SpecConfig(drafter=row["drafter"], gamma=row["gamma"], sparsity=row["sparsity"],
+                      min_tokens=row["min_tokens"], score=row["score"], window=row["window"])
+
+
+def compare(measurer: Measurer, configs: dict[str, SpecConfig], rounds: int,
+            references: list[str]) -> dict:
+    """Race ``configs`` (name -> configuration) and vanilla for ``rounds`` interleaved
+    rounds. Returns each one's series (``measure.series_attrs``), the reference (the
+    name among ``references`` with the highest mean throughput) and each name's
+    throughput over the reference's, round by round (``ratios``); configurations that
+    are the same are measured once."""
+    if rounds < MIN_COMPARE_ROUNDS:
+        raise VegasError(f"--rounds must be at least {MIN_COMPARE_ROUNDS} for an interval")
+    distinct: dict[str, SpecConfig] = {}
+    alias: dict[str, str] = {}
+    for name, spec in configs.items():
+        same = next((n for n, s in distinct.items() if s == spec), None)
+        if same is None:
+            distinct[name] = spec
+        alias[name] = same or name
+    samples = interleave(measurer, {"vanilla": None, **distinct}, rounds,
+                         lambda done, s: False)
+    series = {name: series_attrs(samples[alias[name]], samples["vanilla"]) for name in configs}
+    reference = max(references, key=lambda n: series[n]["tokens_per_second"])
+    out = {"series": series, "rounds": rounds, "reference": reference, "ratios": {}}
+    ref = samples[alias[reference]]
+    for name in configs:
+        ratio = estimate([a.tokens_per_second / b.tokens_per_second
+                          for a, b in zip(samples[alias[name]], ref)])
+        out["ratios"][name] = {"ratio": ratio.mean, "ratio_low": ratio.low,
+                               "ratio_high": ratio.high}
+    return out
+
+
+def regret_words(ratio: dict) -> str:
+    """``regret 1.2% [0.8%, 1.6%]`` from a ``compare`` ratio (1 - ratio, interval swapped)."""
+    e = Estimate(ratio["ratio"], ratio["ratio_low"], ratio["ratio_high"], 0)
+    return (f"regret {100 * (1 - e.mean):.1f}% [{100 * (1 - e.high):.1f}%, "
+            f"{100 * (1 - e.low):.1f}%]")
+
+
+def grid_markdown(result: GridResult, title: str, lines: list[str]) -> str:
+    """The grid as a Markdown table, fastest first, under ``title`` and ``lines``."""
+    rows = sorted(result.rows, key=lambda r: -r["speedup"])
+    table = ["| drafter | score | window | budget | gamma | tokens/s | speedup | accepted |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        vegas = r["drafter"] == "vegas"
+        table.append(f"| {r['drafter']} | {r['score'] if vegas else '-'} | "
+                     f"{r['window'] if vegas else '-'} | {r['budget']} | {r['gamma']} | "
+                     f"{r['tokens_per_second']:.1f} | {r['speedup']:.3f}x | "
+                     f"{r['mean_accepted_length']:.2f} |")
+    return "\n".join([f"# {title}", "", *lines, "", *table]) + "\n"
+
+
+def write_json(data: dict, path: Path) -> None:
+    """``data`` as JSON at ``path``, atomically."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    tmp.replace(path)

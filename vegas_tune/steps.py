@@ -1,0 +1,522 @@
+"""The tuning steps at one batch size: ``sweep``, ``extend`` and ``race``.
+
+1. ``sweep``: vanilla once, then every (selection, budget) of the search once at the
+   probe gamma, and one of them again at half the probe gamma (the short probe). Each run
+   gives acceptance at every draft position and the step times, at this batch size.
+2. ``extend``: the cost model (``vegas_tune.costmodel``) predicts tokens/s for every
+   (selection, budget, gamma). Where a drafter's best prediction lies on the edge of an
+   axis, that axis is extended once: the next budget out (twice the largest, half the
+   smallest), or a longer probe gamma where the best gamma is the largest with known
+   acceptance. No extension, no trials.
+3. ``race``: the best predicted configurations (``TuneOptions.candidates``, with each
+   drafter's best) and vanilla are measured in interleaved rounds. After ``MIN_ROUNDS``
+   a configuration whose speedup interval lies wholly below the leader's drops out; the
+   race ends when one is left, when every remaining interval is within ``precision`` of
+   its mean, or after ``max_rounds``. The pick is the highest mean: configurations the
+   data cannot order are measured more, never broken towards the smaller parameter.
+
+``Measuring`` is the one way a step measures: it claims the configuration (several
+workers share a study), turns an out-of-memory error into a failed trial with its
+reason, and stores every metric on the trial.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from vegas_core import SpecConfig
+from vegas_core.spec_config import MAX_GAMMA
+from vegas_tune.costmodel import Curve, Run, expected_tokens, per_token_extra
+from vegas_tune.measure import Measurement, Measurer, race, ratio_estimate, series_attrs
+from vegas_tune.options import TuneOptions
+from vegas_tune.space import MAX_WINDOW, MIN_BUDGET, Point, Selection
+from vegas_tune.stats import Estimate, estimate
+from vegas_tune.studies import StepFailed, Studies
+
+log = logging.getLogger("vegas_tune")
+
+SWEEP, EXTEND, RACE = "sweep", "extend", "race"
+STEPS = (SWEEP, EXTEND, RACE)
+VANILLA = "vanilla"
+# Rounds before a configuration may drop out or the race stop for precision: fewer give
+# intervals too wide (t quantile 12.7 at two samples) to decide on.
+MIN_ROUNDS = 3
+# Rounds a configuration needs for an interval at all: when the time budget runs out
+# mid-race, it stops at this many.
+MIN_INTERVAL_ROUNDS = 2
+# A measurement below this many decoded tokens per configuration is timing noise.
+MIN_TOKENS_PER_MEASUREMENT = 64
+# A steady window shorter than this is warned about: timer and launch jitter dominate.
+MIN_TIMED_SECONDS = 0.1
+# The gamma axis grows by half the probe gamma (at least this) when extended.
+MIN_GAMMA_STEP = 2
+
+
+@dataclass
+class StepResult:
+    name: str
+    study: str
+    trials: int
+    chosen: dict
+    notes: str = ""
+    predictions: list[dict] = field(default_factory=list)
+    within_noise: list[dict] = field(default_factory=list)
+    batch_size: int | None = None
+    edges: list[str] = field(default_factory=list)  # axes whose edge the pick lies on
+
+
+def claim_of(spec: SpecConfig | None) -> str:
+    """What a trial measures, as a claim key: the configuration (vanilla: ``vanilla``)."""
+    return VANILLA if spec is None else json.dumps(spec.to_dict(), sort_keys=True)
+
+
+def spec_of_claim(claim: str) -> SpecConfig | None:
+    return None if claim == VANILLA else SpecConfig(**json.loads(claim))
+
+
+def spec_of(trial) -> SpecConfig:
+    """The configuration a trial measured (stored as ``spec_<field>`` attributes)."""
+    fields = {k.removeprefix("spec_"): v for k, v in trial.user_attrs.items()
+              if k.startswith("spec_")}
+    return SpecConfig(**fields)
+
+
+def min_new_tokens(gamma: int) -> int:
+    """The fewest new tokens per prompt that time a speculative iteration at ``gamma``:
+    the first iteration captures graphs and is not timed, and a steady window needs a
+    second one even when every draft token is accepted."""
+    return 2 * (gamma + 1)
+
+
+class Measuring:
+    """Claim, guard against out-of-memory, measure, store: every step's measurements."""
+
+    def __init__(self, studies: Studies, measurers: dict[int, Measurer], options: TuneOptions):
+        self.studies, self.measurers, self.options = studies, measurers, options
+
+    def guarded(self, trial, claim: str, measure: Callable[[], object]):
+        """Claim ``claim`` for ``trial`` (``Studies.claim``), then run ``measure``; an
+        out-of-memory trial fails with its reason recorded (not retried on resume) and
+        the tuner goes on."""
+        self.studies.claim(trial.study, trial, claim)
+        try:
+            with self.studies.interrupts.interruptible():
+                return measure()
+        except torch.cuda.OutOfMemoryError as e:
+            trial.set_user_attr("failed_reason", f"out of memory: {str(e).splitlines()[0]}")
+            torch.cuda.empty_cache()
+            raise
+
+    @staticmethod
+    def store(trial, attrs: dict, spec: SpecConfig | None) -> None:
+        for key, value in attrs.items():
+            trial.set_user_attr(key, value)
+        if spec is not None:
+            for key, value in spec.to_dict().items():
+                trial.set_user_attr(f"spec_{key}", value)
+
+    def once(self, trial, batch: int) -> dict:
+        """One measurement of the queued configuration a trial claims."""
+        claim = trial.user_attrs["claim"]
+        spec = spec_of_claim(claim)
+        trial.set_user_attr("batch_size", batch)
+        measurer = self.measurers[batch]
+        attrs = self.guarded(trial, claim, lambda: measurer.measure(spec)).as_attrs()
+        self.store(trial, attrs, spec)
+        return attrs
+
+    def may_stop(self, done: int) -> bool:
+        """Whether a race may stop for lack of time after ``done`` rounds."""
+        return done >= MIN_INTERVAL_ROUNDS and self.studies.out_of_time()
+
+
+@dataclass
+class Search:
+    """What one batch size searches: ``selections`` x ``budgets`` at ``probe_gamma``;
+    ``longest_prefix`` turns a budget into the engine's (ratio, min_tokens) pair;
+    ``gamma_limit`` is the largest gamma the workload can time."""
+
+    batch: int
+    selections: list[Selection]
+    budgets: tuple[int, ...]
+    probe_gamma: int
+    longest_prefix: int
+    gamma_limit: int
+    ctx: int
+
+    def spec(self, point: Point) -> SpecConfig:
+        return point.spec(self.longest_prefix)
+
+    @property
+    def short_probe(self) -> Point | None:
+        """One configuration again at half the probe gamma: the cost of a drafted token
+        beyond its draft forward (``costmodel.per_token_extra``)."""
+        gamma = self.probe_gamma // 2
+        if gamma < 1 or gamma == self.probe_gamma:
+            return None
+        return Point(self.selections[0], self.budgets[len(self.budgets) // 2], gamma)
+
+    def sweep_points(self) -> list[Point]:
+        points = [Point(s, b, self.probe_gamma) for s in self.selections for b in self.budgets]
+        return points + ([self.short_probe] if self.short_probe else [])
+
+
+class Landscape:
+    """The cost model at one batch size, from the runs of its sweep and extend steps."""
+
+    def __init__(self, trials: list, batch: int, search: Search):
+        self.batch, self.search = batch, search
+        runs: dict[tuple[Selection, int], list[Run]] = {}
+        self.vanilla: dict | None = None
+        for t in trials:
+            if t.user_attrs.get("claim") == VANILLA:
+                self.vanilla = t.user_attrs
+                continue
+            point = Point.of(spec_of(t))
+            runs.setdefault(point.curve, []).append(_run_of(t.user_attrs, point.gamma))
+        short = search.short_probe
+        pair = runs.get(short.curve, []) if short else []
+        by_gamma = {r.gamma: r for r in pair}
+        self.extra = (per_token_extra(by_gamma[search.probe_gamma], by_gamma[short.gamma])
+                      if short and {search.probe_gamma, short.gamma} <= set(by_gamma) else 0.0)
+        floor = self.vanilla["decode_step_seconds"] if self.vanilla else 0.0
+        self.curves = {key: Curve(r, self.extra, floor) for key, r in runs.items()}
+
+    def predict(self, point: Point) -> float:
+        return self.curves[point.curve].tokens_per_second(point.gamma, self.batch)
+
+    def points(self) -> list[Point]:
+        """Every point the model predicts: each curve at gamma 1 to its top gamma."""
+        return [Point(sel, budget, g) for (sel, budget), curve in self.curves.items()
+                for g in range(1, curve.top_gamma + 1)]
+
+    def ranked(self) -> list[Point]:
+        """Every point, the fastest predicted first (ties: the smaller point)."""
+        return sorted(self.points(), key=lambda p: (-self.predict(p), p))
+
+    def best(self, drafter: str | None = None) -> Point | None:
+        for point in self.ranked():
+            if drafter is None or point.selection.drafter == drafter:
+                return point
+        return None
+
+    def budgets_of(self, selection: Selection) -> list[int]:
+        return sorted(b for s, b in self.curves if s == selection)
+
+    def prediction_row(self, point: Point) -> dict:
+        curve = self.curves[point.curve]
+        return {**_point_fields(point, self.search),
+                "predicted_tokens_per_second": round(self.predict(point), 3),
+                "predicted_mean_accepted_length": round(
+                    expected_tokens(curve.acceptance, point.gamma), 4)}
+
+
+def _run_of(attrs: dict, gamma: int) -> Run:
+    """A sweep measurement as the cost model's ``Run``: the steady window's iterations
+    where there are any, else every timed iteration."""
+    steady = attrs["steady_iterations"]
+    seconds = attrs["steady_seconds"] if steady else attrs["decode_seconds"]
+    return Run(gamma, seconds / max(steady or attrs["iterations"], 1),
+               attrs["draft_step_seconds"], tuple(attrs["acceptance_by_position"]))
+
+
+def _point_fields(point: Point, search: Search) -> dict:
+    spec = search.spec(point)
+    return {"drafter": spec.drafter, "score": spec.score, "window": spec.window,
+            "budget": point.budget, "gamma": point.gamma, "sparsity_ratio": spec.sparsity}
+
+
+class Steps:
+    """The three steps at any batch size, on shared studies and measurements."""
+
+    def __init__(self, studies: Studies, measuring: Measuring, options: TuneOptions):
+        self.studies, self.measuring, self.options = studies, measuring, options
+
+    def _grid_study(self, step: str, batch: int):
+        import optuna
+
+        return self.studies.study(step, optuna.samplers.RandomSampler(seed=self.options.seed),
+                                  batch)
+
+    def _measure_grid(self, step: str, search: Search, specs: list[SpecConfig | None]) -> list:
+        """Measure each of ``specs`` once at ``search.batch`` (queued grid points)."""
+        batch = search.batch
+        study = self._grid_study(step, batch)
+
+        def objective(trial) -> float:
+            attrs = self.measuring.once(trial, batch)
+            if trial.user_attrs["claim"] == VANILLA and attrs["steady_seconds"] < MIN_TIMED_SECONDS:
+                log.warning("each measurement at batch %d times only %.0f ms of decoding: "
+                            "timings that short are noisy; raise --max-new-tokens or "
+                            "--num-prompts", batch, 1e3 * attrs["steady_seconds"])
+            return attrs["tokens_per_second"]
+
+        grid = [({}, claim_of(spec)) for spec in specs]
+        return self.studies.run(study, objective, len(grid), step, batch, grid=grid,
+                                best=_sweep_words)
+
+    # ---- 1. sweep ---------------------------------------------------------------------
+
+    def sweep(self, search: Search) -> tuple[Landscape, StepResult]:
+        points = search.sweep_points()
+        done = self._measure_grid(SWEEP, search, [None] + [search.spec(p) for p in points])
+        landscape = Landscape(done, search.batch, search)
+        best = landscape.best()
+        notes = (f"{len(search.selections)} selection(s) x budgets "
+                 f"{', '.join(map(str, search.budgets))} at gamma {search.probe_gamma}, "
+                 f"vanilla, and a short probe at gamma "
+                 f"{search.short_probe.gamma if search.short_probe else '-'}; best predicted: "
+                 + (f"{best.words()} ({landscape.predict(best):.1f} tok/s)" if best else "none"))
+        chosen = _point_fields(best, search) if best else {}
+        return landscape, StepResult(SWEEP, self.studies.name(SWEEP, search.batch),
+                                     self.studies.finished(self._grid_study(SWEEP, search.batch)),
+                                     chosen, notes, batch_size=search.batch)
+
+    # ---- 2. extend --------------------------------------------------------------------
+
+    def extension(self, landscape: Landscape, search: Search) -> tuple[list[Point], list[str]]:
+        """Points that extend an axis at each drafter's best prediction, and what each
+        extends, in words."""
+        points: list[Point] = []
+        words: list[str] = []
+        for drafter in dict.fromkeys(s.drafter for s in search.selections):
+            best = landscape.best(drafter)
+            if best is None:
+                continue
+            budgets = search.budgets
+            if best.budget == budgets[-1] and 2 * budgets[-1] < search.ctx:
+                points.append(Point(best.selection, 2 * budgets[-1], search.probe_gamma))
+                words.append(f"budget up to {2 * budgets[-1]} slots for {best.selection.words()}")
+            elif best.budget == budgets[0] and budgets[0] // 2 >= MIN_BUDGET:
+                points.append(Point(best.selection, budgets[0] // 2, search.probe_gamma))
+                words.append(f"budget down to {budgets[0] // 2} slots for "
+                             f"{best.selection.words()}")
+            top = landscape.curves[best.curve].top_gamma
+            longer = min(top + max(MIN_GAMMA_STEP, top // 2), search.gamma_limit)
+            if best.gamma == top and longer > top:
+                points.append(best.with_gamma(longer))
+                words.append(f"gamma up to {longer} for {best.selection.words()}, "
+                             f"{best.budget} slots")
+        return list(dict.fromkeys(points)), words
+
+    def extend(self, landscape: Landscape, search: Search
+               ) -> tuple[Landscape, StepResult | None]:
+        points, words = self.extension(landscape, search)
+        if not points:
+            return landscape, None
+        try:
+            done = self._measure_grid(EXTEND, search, [search.spec(p) for p in points])
+        except StepFailed:
+            done = []  # every extension failed (out of memory): the sweep's answer stands
+        study = self._grid_study(EXTEND, search.batch)
+        failed = sorted({t.user_attrs["failed_reason"].split(":")[0]
+                         for t in study.get_trials(deepcopy=False)
+                         if "failed_reason" in t.user_attrs})
+        sweep = self.studies.complete(self._grid_study(SWEEP, search.batch))
+        extended = Landscape(sweep + done, search.batch, search)
+        best = extended.best()
+        notes = (f"the best predictions lay on an axis's edge: tried {'; '.join(words)}; "
+                 f"{len(done)} of {len(points)} measured"
+                 + (f" (the others: {', '.join(failed)})" if failed else "")
+                 + f"; best predicted now: {best.words()} ({extended.predict(best):.1f} tok/s)")
+        return extended, StepResult(EXTEND, study.study_name, self.studies.finished(study),
+                                    _point_fields(best, search), notes, batch_size=search.batch)
+
+    # ---- 3. race ----------------------------------------------------------------------
+
+    def candidates(self, landscape: Landscape) -> list[Point]:
+        """The ``candidates`` best predictions, then each drafter's best not among them."""
+        ranked = landscape.ranked()
+        chosen = ranked[: self.options.candidates]
+        for drafter in dict.fromkeys(s.drafter for s in landscape.search.selections):
+            if not any(p.selection.drafter == drafter for p in chosen):
+                best = landscape.best(drafter)
+                if best is not None:
+                    chosen.append(best)
+        return chosen
+
+    def race(self, landscape: Landscape, search: Search) -> tuple[dict, StepResult]:
+        """Race the candidates; returns (the race: ``series`` by name, ``chosen`` name,
+        ``specs`` by name) and the step's summary."""
+        import optuna
+
+        batch = search.batch
+        points = self.candidates(landscape)
+        if not points:
+            raise StepFailed(f"step '{self.studies.label(RACE, batch)}': the sweep measured no "
+                             "speculative configuration to race")
+        specs = {f"c{i + 1}": search.spec(p) for i, p in enumerate(points)}
+        configs: dict[str, SpecConfig | None] = {VANILLA: None, **specs}
+        study = self.studies.study(RACE, optuna.samplers.RandomSampler(seed=self.options.seed),
+                                   batch)
+        claim = "race " + json.dumps({n: s.to_dict() for n, s in specs.items()}, sort_keys=True)
+        label = self.studies.label(RACE, batch)
+        o = self.options
+
+        def decide(done: int, samples: dict[str, list[Measurement]]) -> set[str]:
+            live = {n for n in specs if len(samples[n]) == done}
+            if done < MIN_ROUNDS:
+                return set() if self.measuring.may_stop(done) else live | {VANILLA}
+            speedups = {n: ratio_estimate(samples[n], samples[VANILLA]) for n in live}
+            leader = max(speedups.values(), key=lambda e: e.mean)
+            self.studies.report(label, done, o.max_rounds,
+                                f"{leader.words()} over vanilla, {len(live)} racing",
+                                unit="rounds")
+            live = {n for n in live if not speedups[n].below(leader)}
+            precise = all(speedups[n].relative_half_width <= o.precision for n in live)
+            if len(live) == 1 or precise or self.measuring.may_stop(done):
+                return set()
+            return live | {VANILLA}
+
+        def objective(trial) -> float:
+            trial.set_user_attr("batch_size", batch)
+            measurer = self.measuring.measurers[batch]
+            samples = self.measuring.guarded(
+                trial, trial.user_attrs["claim"],
+                lambda: race(measurer, configs, o.max_rounds, decide))
+            result = race_result(samples, specs, search)
+            trial.set_user_attr("series", result["series"])
+            trial.set_user_attr("chosen", result["chosen"])
+            return result["series"][result["chosen"]]["speedup"]
+
+        done = self.studies.run(study, objective, 1, RACE, batch, grid=[({}, claim)], quiet=True)
+        trial = [t for t in done if t.user_attrs.get("claim") == claim][-1]
+        series, name = trial.user_attrs["series"], trial.user_attrs["chosen"]
+        result = {"series": series, "chosen": name,
+                  "specs": {n: SpecConfig(**{k: s[k] for k in SpecConfig().to_dict()})
+                            for n, s in series.items() if n != VANILLA}}
+        return result, self._race_summary(result, landscape, points, search, study)
+
+    def _race_summary(self, result: dict, landscape: Landscape, points: list[Point],
+                      search: Search, study) -> StepResult:
+        series, name = result["series"], result["chosen"]
+        chosen = Point.of(result["specs"][name])
+        pick = Estimate.from_attrs(series[name], "speedup")
+        tied = [n for n in result["specs"] if n != name and Estimate.from_attrs(
+            series[n], "speedup").overlaps(pick)]
+        rounds = max(s["rounds"] for s in series.values())
+        notes = (f"raced {len(points)} configurations beside vanilla for {rounds} rounds "
+                 f"(those whose interval fell below the leader's dropped out after "
+                 f"{MIN_ROUNDS}); picked the highest mean")
+        if tied:
+            notes += (f"; {len(tied)} other(s) within noise after measuring more (overlapping "
+                      "95% intervals): the higher mean taken")
+        streaming = best_of(series, result["specs"], "streaming")
+        edges = edge_words(chosen, landscape, search)
+        return StepResult(RACE, study.study_name, self.studies.finished(study),
+                          {**_point_fields(chosen, search), **_race_figures(series[name])},
+                          notes, self._predictions(landscape, series, result["specs"], chosen,
+                                                   streaming),
+                          [{**_point_fields(Point.of(result["specs"][n]), search),
+                            **_race_figures(series[n])} for n in tied],
+                          search.batch, edges)
+
+    def _predictions(self, landscape: Landscape, series: dict, specs: dict, chosen: Point,
+                     streaming: str | None) -> list[dict]:
+        """The prediction rows a profile keeps: each curve's best gamma, every gamma of
+        the pick's curve and of the best streaming one's, every raced configuration (with
+        what the race measured)."""
+        keep = [Point(sel, b, curve.best_gamma(landscape.batch))
+                for (sel, b), curve in landscape.curves.items()]
+        for point in [chosen] + ([Point.of(specs[streaming])] if streaming else []):
+            keep += [point.with_gamma(g) for g in range(1, landscape.curves[point.curve].top_gamma + 1)]
+        raced = {Point.of(s): n for n, s in specs.items()}
+        keep += list(raced)
+        rows = []
+        for point in sorted(dict.fromkeys(keep)):
+            row = landscape.prediction_row(point)
+            measured = series.get(raced.get(point, ""))
+            speedup = Estimate.from_attrs(measured, "speedup") if measured else None
+            rows.append({**row,
+                         "measured_tokens_per_second": _rounded(measured and measured["tokens_per_second"]),
+                         "measured_mean_accepted_length": _rounded(
+                             measured and measured["mean_accepted_length"], 4),
+                         "measured_speedup": _rounded(speedup and speedup.mean, 4),
+                         "measured_speedup_interval": None if speedup is None else
+                         [round(speedup.low, 4), round(speedup.high, 4)]})
+        return rows
+
+
+def race_result(samples: dict[str, list[Measurement]], specs: dict[str, SpecConfig],
+                search: Search) -> dict:
+    """The race's series by name (each candidate's configuration fields beside its
+    figures) and the pick: the highest mean speedup among those that ran the last round."""
+    vanilla = samples[VANILLA]
+    rounds = len(vanilla)
+    series: dict[str, dict] = {VANILLA: {
+        "drafter": VANILLA, **Measurement.average(vanilla).as_attrs(),
+        **estimate([m.tokens_per_second for m in vanilla]).attrs("tokens_per_second"),
+        "rounds": rounds, "round_tokens_per_second": [round(m.tokens_per_second, 3)
+                                                      for m in vanilla]}}
+    for name, spec in specs.items():
+        point = Point.of(spec)
+        series[name] = {**spec.to_dict(), "budget": point.budget,
+                        **series_attrs(samples[name], vanilla[:len(samples[name])])}
+    finalists = [n for n in specs if len(samples[n]) == max(len(samples[m]) for m in specs)]
+    chosen = max(finalists, key=lambda n: series[n]["speedup"])
+    return {"series": series, "chosen": chosen}
+
+
+def best_of(series: dict, specs: dict[str, SpecConfig], drafter: str) -> str | None:
+    """The name of ``drafter``'s best raced configuration (highest mean speedup)."""
+    names = [n for n, s in specs.items() if s.drafter == drafter]
+    return max(names, key=lambda n: series[n]["speedup"]) if names else None
+
+
+def over(series: dict, name: str, other: str) -> Estimate:
+    """``name``'s throughput over ``other``'s, round by round (the rounds both ran)."""
+    mine, theirs = series[name]["round_tokens_per_second"], series[other]["round_tokens_per_second"]
+    return estimate([a / b for a, b in zip(mine, theirs)])
+
+
+def edge_words(point: Point, landscape: Landscape, search: Search) -> list[str]:
+    """Each axis on whose measured edge ``point`` lies, with the predicted figure there."""
+    words = []
+    figure = f"{landscape.predict(point):.1f} tok/s predicted there"
+    budgets = landscape.budgets_of(point.selection)
+    if len(budgets) > 1 and point.budget == budgets[-1]:
+        words.append(f"budget: {point.budget} slots is the largest measured for "
+                     f"{point.selection.words()} ({figure})")
+    elif len(budgets) > 1 and point.budget == budgets[0]:
+        words.append(f"budget: {point.budget} slots is the smallest measured for "
+                     f"{point.selection.words()} ({figure})")
+    top = landscape.curves[point.curve].top_gamma
+    if point.gamma == top:
+        if top >= MAX_GAMMA:
+            why = "the engine's maximum"
+        elif top >= search.gamma_limit:
+            why = (f"the longest the workload can time; --max-new-tokens "
+                   f"{min_new_tokens(top + MIN_GAMMA_STEP)} would allow more")
+        else:
+            why = "a tune extends each axis once"
+        words.append(f"gamma: {top} is the largest with measured acceptance, {why} ({figure})")
+    if point.selection.drafter == "vegas" and point.selection.window == MAX_WINDOW:
+        words.append(f"window: {MAX_WINDOW:g} is the engine's largest sink-and-recent share "
+                     f"({figure})")
+    return words
+
+
+def _race_figures(series: dict) -> dict:
+    speedup = Estimate.from_attrs(series, "speedup")
+    return {"tokens_per_second": round(series["tokens_per_second"], 3),
+            "speedup": round(speedup.mean, 4), "speedup_low": round(speedup.low, 4),
+            "speedup_high": round(speedup.high, 4), "rounds": series["rounds"]}
+
+
+def _sweep_words(done: list) -> str | None:
+    runs = [t for t in done if t.user_attrs.get("claim") != VANILLA]
+    if not runs:
+        return None
+    top = max(runs, key=lambda t: t.user_attrs["mean_accepted_length"])
+    point = Point.of(spec_of(top))
+    return (f"{point.selection.words()}, {point.budget} slots: "
+            f"{top.user_attrs['mean_accepted_length']:.2f} tokens per iteration")
+
+
+def _rounded(value: float | None, digits: int = 3) -> float | None:
+    return None if value is None else round(value, digits)
