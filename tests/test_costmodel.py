@@ -62,3 +62,15 @@ def test_expected_tokens_counts_the_bonus_token_and_refuses_unknown_positions():
         expected_tokens(ACCEPTANCE, 9)
     with pytest.raises(ValueError, match="at least one run"):
         Curve([], 0.0)
+
+
+def test_acceptance_is_scaled_to_what_a_steady_iteration_produced():
+    # The rates say 1 + 4.4 tokens per iteration at gamma 8; the steady window produced
+    # 4.3. The throughput at the run's own gamma is then the run's, and lower gammas keep
+    # the rates' shape.
+    long = Run(8, FIXED + 8 * (DRAFT + EXTRA), DRAFT, ACCEPTANCE, tokens_per_iteration=4.3)
+    curve = Curve([long], EXTRA)
+    assert curve.tokens_per_second(8, 64) == pytest.approx(64 * 4.3 / long.iteration_seconds)
+    scale = 3.3 / sum(ACCEPTANCE)
+    assert expected_tokens(curve.acceptance, 2) == pytest.approx(1 + scale * (0.9 + 0.8))
+    assert Curve([run(8)], EXTRA).acceptance == ACCEPTANCE  # none given: the rates as they are

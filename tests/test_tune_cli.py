@@ -350,11 +350,17 @@ def test_measurements_repeat_interleaved_with_vanilla_and_noise_is_not_recommend
     for name in ("tokens_per_second", "vanilla_tokens_per_second", "streaming_tokens_per_second",
                  "speedup_over_streaming"):
         assert r[f"{name}_interval"][0] <= r[name] <= r[f"{name}_interval"][1]
-    # The race: every round measures vanilla beside each configuration still racing, in
-    # rotating order; nobody drops out of a race the noise cannot decide.
-    rounds = [measure.calls[i:i + 4] for i in range(len(measure.calls) - 24, len(measure.calls), 4)]
-    assert all(sum(spec is None for spec in one) == 1 for one in rounds)
-    assert [one.index(None) for one in rounds[:4]] == [0, 3, 2, 1]
+    # The race: each of the first rounds (before anyone may drop out) measures vanilla
+    # beside every candidate, in rotating order.
+    profile = yaml.safe_load(out.read_text())
+    before = sum(s["trials"] for s in profile["steps"] if s["name"] != "race")
+    race = profile["steps"][-1]
+    size = 1 + sum(p["measured_speedup"] is not None for p in race["predictions"])
+    calls = measure.calls[before:]
+    first = [calls[i * size:(i + 1) * size] for i in range(3)]
+    assert all(sum(spec is None for spec in one) == 1 for one in first)
+    assert [one.index(None) for one in first] == [0, size - 1, size - 2]
+    assert sum(spec is None for spec in calls) == 6  # vanilla in every round
 
 
 def test_configurations_the_data_cannot_order_are_measured_more_then_the_higher_mean_taken(

@@ -41,8 +41,8 @@ class TuneOptions:
            "each batch size (with the best of each drafter).")
     max_rounds: int = _option(8, "Measurement rounds per configuration, at most.")
     precision: float = _option(
-        0.01, "Stop measuring when every remaining configuration's 95% interval is within "
-              "this share of its mean.")
+        0.01, "The race ends when no configuration left can beat the leader by more than "
+              "this share (the 95% interval of their round-by-round ratio).")
     seed: int = _option(0, "Seed for samplers and sampling.")
     time_budget: float | None = _option(
         None, "Seconds for the whole run; when they run out, the profile the finished "

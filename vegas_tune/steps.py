@@ -10,10 +10,11 @@
    acceptance. No extension, no trials.
 3. ``race``: the best predicted configurations (``TuneOptions.candidates``, with each
    drafter's best) and vanilla are measured in interleaved rounds. After ``MIN_ROUNDS``
-   a configuration whose speedup interval lies wholly below the leader's drops out; the
-   race ends when one is left, when every remaining interval is within ``precision`` of
-   its mean, or after ``max_rounds``. The pick is the highest mean: configurations the
-   data cannot order are measured more, never broken towards the smaller parameter.
+   each is judged by its throughput over the leader's, round by round: one that is
+   surely slower drops out, and the race ends when one is left, when no one left can
+   beat the leader by more than ``precision``, or after ``max_rounds``
+   (``race_verdict``). The pick is the highest mean: configurations the data cannot
+   order are measured more, never broken towards the smaller parameter.
 
 ``Measuring`` is the one way a step measures: it claims the configuration (several
 workers share a study), turns an out-of-memory error into a failed trial with its
@@ -178,7 +179,7 @@ class Landscape:
                 self.vanilla = t.user_attrs
                 continue
             point = Point.of(spec_of(t))
-            runs.setdefault(point.curve, []).append(_run_of(t.user_attrs, point.gamma))
+            runs.setdefault(point.curve, []).append(_run_of(t.user_attrs, point.gamma, batch))
         short = search.short_probe
         pair = runs.get(short.curve, []) if short else []
         by_gamma = {r.gamma: r for r in pair}
@@ -216,13 +217,15 @@ class Landscape:
                     expected_tokens(curve.acceptance, point.gamma), 4)}
 
 
-def _run_of(attrs: dict, gamma: int) -> Run:
+def _run_of(attrs: dict, gamma: int, batch: int) -> Run:
     """A sweep measurement as the cost model's ``Run``: the steady window's iterations
     where there are any, else every timed iteration."""
     steady = attrs["steady_iterations"]
     seconds = attrs["steady_seconds"] if steady else attrs["decode_seconds"]
-    return Run(gamma, seconds / max(steady or attrs["iterations"], 1),
-               attrs["draft_step_seconds"], tuple(attrs["acceptance_by_position"]))
+    tokens = attrs["steady_tokens"] if steady else attrs["decode_tokens"]
+    iterations = max(steady or attrs["iterations"], 1)
+    return Run(gamma, seconds / iterations, attrs["draft_step_seconds"],
+               tuple(attrs["acceptance_by_position"]), tokens / (iterations * batch))
 
 
 def _point_fields(point: Point, search: Search) -> dict:
@@ -359,19 +362,17 @@ class Steps:
         o = self.options
 
         def decide(done: int, samples: dict[str, list[Measurement]]) -> set[str]:
-            live = {n for n in specs if len(samples[n]) == done}
-            if done < MIN_ROUNDS:
-                return set() if self.measuring.may_stop(done) else live | {VANILLA}
-            speedups = {n: ratio_estimate(samples[n], samples[VANILLA]) for n in live}
-            leader = max(speedups.values(), key=lambda e: e.mean)
-            self.studies.report(label, done, o.max_rounds,
-                                f"{leader.words()} over vanilla, {len(live)} racing",
-                                unit="rounds")
-            live = {n for n in live if not speedups[n].below(leader)}
-            precise = all(speedups[n].relative_half_width <= o.precision for n in live)
-            if len(live) == 1 or precise or self.measuring.may_stop(done):
+            rounds = {n: [m.tokens_per_second for m in samples[n]] for n in specs
+                      if len(samples[n]) == done}
+            live, decided = race_verdict(rounds, o.precision)
+            if len(rounds) > 1 and done >= MIN_ROUNDS:
+                leader = ratio_estimate(samples[live[0]], samples[VANILLA])
+                self.studies.report(label, done, o.max_rounds,
+                                    f"{leader.words()} over vanilla, {len(live)} racing",
+                                    unit="rounds")
+            if decided or self.measuring.may_stop(done):
                 return set()
-            return live | {VANILLA}
+            return set(live) | {VANILLA}
 
         def objective(trial) -> float:
             trial.set_user_attr("batch_size", batch)
@@ -440,6 +441,28 @@ class Steps:
                          "measured_speedup_interval": None if speedup is None else
                          [round(speedup.low, 4), round(speedup.high, 4)]})
         return rows
+
+
+def race_verdict(rounds: dict[str, list[float]], precision: float) -> tuple[list[str], bool]:
+    """After each round of a race: (the names still racing, the leader first; whether the
+    race is decided). ``rounds``: each racing configuration's tokens/s, round by round
+    (all of them the same rounds).
+
+    The leader has the highest mean. Before ``MIN_ROUNDS`` nothing is decided. Then each
+    other configuration is judged by its throughput over the leader's, round by round (a
+    paired ratio: drift between rounds cancels): one whose 95% interval lies wholly below
+    1 drops out, and the race is decided when one is left, or when no one left can beat
+    the leader by more than ``precision`` (every interval's top at most 1 + precision):
+    picking the leader then costs at most that share."""
+    names = sorted(rounds, key=lambda n: -estimate(rounds[n]).mean if len(rounds[n]) > 1
+                   else -rounds[n][0])
+    if len(rounds[names[0]]) < MIN_ROUNDS or len(names) == 1:
+        return names, len(names) == 1
+    leader = rounds[names[0]]
+    ratios = {n: estimate([a / b for a, b in zip(rounds[n], leader)]) for n in names[1:]}
+    live = [names[0]] + [n for n in names[1:] if ratios[n].high >= 1.0]
+    decided = all(ratios[n].high <= 1.0 + precision for n in live[1:])
+    return live, decided
 
 
 def race_result(samples: dict[str, list[Measurement]], specs: dict[str, SpecConfig],

@@ -1,0 +1,56 @@
+"""The race's rule (vegas_tune.steps.race_verdict): paired ratios to the leader decide who
+drops out and when the race is over."""
+
+from __future__ import annotations
+
+import math
+import random
+
+from vegas_tune.steps import MIN_ROUNDS, race_verdict
+
+
+def rounds(mean: float, n: int, noise: float, seed: int, drift: list[float]) -> list[float]:
+    """``n`` rounds around ``mean`` times each round's machine-wide ``drift``."""
+    rng = random.Random(seed)
+    return [mean * d * math.exp(rng.gauss(0.0, noise)) for d in drift[:n]]
+
+
+def drift(n: int, seed: int = 9, spread: float = 0.05) -> list[float]:
+    rng = random.Random(seed)
+    return [math.exp(rng.gauss(0.0, spread)) for _ in range(n)]
+
+
+def test_nothing_is_decided_before_the_minimum_rounds():
+    early = {"a": [100.0, 101.0], "b": [50.0, 51.0]}
+    live, decided = race_verdict(early, 0.01)
+    assert live == ["a", "b"] and not decided and MIN_ROUNDS > 2
+
+
+def test_a_surely_slower_configuration_drops_out_and_one_left_decides():
+    d = drift(4)
+    race = {"fast": rounds(100, 4, 0.003, 1, d), "slow": rounds(90, 4, 0.003, 2, d)}
+    assert race_verdict(race, 0.01) == (["fast"], True)
+
+
+def test_drift_between_rounds_cancels_in_the_paired_ratio():
+    # Rounds that swing by 5% machine-wide: each configuration's own interval is wide,
+    # yet 3% slower in every round is surely slower.
+    d = drift(4, spread=0.05)
+    race = {"a": rounds(103, 4, 0.002, 1, d), "b": rounds(100, 4, 0.002, 2, d)}
+    assert race_verdict(race, 0.01) == (["a"], True)
+
+
+def test_equals_are_decided_once_neither_can_be_more_than_the_precision_better():
+    d = drift(8, spread=0.01)
+    race = {"a": rounds(100, 8, 0.001, 1, d), "b": rounds(100, 8, 0.001, 2, d)}
+    live, decided = race_verdict(race, 0.01)
+    assert sorted(live) == ["a", "b"] and decided
+    # With a precision finer than the noise allows, measuring more is the answer.
+    live, decided = race_verdict(race, 0.0001)
+    assert sorted(live) == ["a", "b"] and not decided
+
+
+def test_the_leader_is_the_highest_mean_whatever_its_name():
+    race = {"c1": [99.0, 99.0, 99.0], "c2": [100.0, 100.5, 99.5], "c3": [99.9, 100.2, 99.6]}
+    live, _ = race_verdict(race, 0.01)
+    assert live[0] == "c2"
