@@ -180,3 +180,24 @@ def test_the_gemv_bench_times_every_weight_of_a_layer_and_the_lm_head():
                      "mlp.gate_up_proj.weight": tiny["gate_up + silu"][:2],
                      "mlp.down_proj.weight": tiny["down"][:2]}
     assert tuple(net.lm_head.weight.shape) == tiny["lm_head"][:2]
+
+
+def test_a_recorded_tune_replays_through_todays_cost_model_and_race_rule():
+    """The committed H100 tune (SmolLM2 8k, batch 64): every raced configuration gets a
+    prediction from the recorded sweep, and today's race rule, replayed on the recorded
+    rounds, decides within them and picks what the recorded race picked."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    journal = root / "docs" / "results" / "tuner-regret" / "h100-b64-a.journal"
+    out = subprocess.run([sys.executable, str(root / "bench" / "replay_tune.py"), str(journal)],
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    rows = [line for line in out.splitlines() if line.startswith("| vegas") or
+            line.startswith("| streaming")]
+    assert len(rows) == 5 and all("n/a" not in row for row in rows)
+    assert "decided after round" in out
+    recorded = out.split("Recorded race: ")[1].split("pick ")[1].split(" ")[0]
+    today = out.split("Today's rule")[1].split("pick ")[1].split(" ")[0]
+    assert recorded == today

@@ -1,0 +1,132 @@
+"""Replay a finished tune's recorded measurements through the current cost model and race
+rule: no GPU, no new measurement.
+
+A tune's storage (an optuna journal) keeps every sweep and extend run (acceptance by
+position, step times, steady tokens) and every race round's throughput. For each batch
+size this rebuilds the cost model (``steps.Landscape``) from the sweep and extend runs
+as the code of today builds it, and prints
+
+- each raced configuration's prediction against what the race measured for it;
+- ``steps.race_verdict`` replayed round by round on the recorded race: the round at
+  which today's rule decides, the measurements it would have spent, and its pick,
+  against what the recorded race spent and picked.
+
+Only what the recorded run measured can be replayed: a configuration the recorded race
+did not measure has no rounds, so a rule that would have raced other candidates is not
+judged by this.
+
+    python bench/replay_tune.py docs/results/tuner-regret/h100-b256-a.journal
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from vegas_tune.options import TuneOptions  # noqa: E402
+from vegas_tune.space import Point, longest_prefix, selections  # noqa: E402
+from vegas_tune.steps import (EXTEND, RACE, SWEEP, VANILLA, Landscape, Search,  # noqa: E402
+                              race_verdict)
+from vegas_tune.studies import open_storage  # noqa: E402
+from vegas_tune.tuner import gamma_limit  # noqa: E402
+
+
+def studies(storage) -> dict[tuple[str, int], object]:
+    """(step, batch) -> study, for every study in the storage."""
+    import optuna
+
+    found = {}
+    for summary in optuna.get_all_study_summaries(storage):
+        step, _, batch = summary.study_name.partition(":")[2].partition("@")
+        if batch:
+            found[(step, int(batch))] = optuna.load_study(study_name=summary.study_name,
+                                                          storage=storage)
+    return found
+
+
+def complete(study) -> list:
+    from optuna.trial import TrialState
+
+    return study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+
+
+def replay_size(batch: int, by_step: dict, fingerprint: dict) -> list[str]:
+    ctx, new = fingerprint["ctx"], fingerprint["max_new_tokens"]
+    options = TuneOptions(target=fingerprint["target"], budgets=tuple(fingerprint["budgets"]),
+                          probe_gamma=fingerprint["probe_gamma"],
+                          precision=fingerprint["precision"])
+    limit = gamma_limit(new)
+    search = Search(batch, selections(options.target), options.budgets,
+                    min(options.probe_gamma, limit), longest_prefix(ctx, new), limit, ctx)
+    runs = [t for step in (SWEEP, EXTEND) if (step, batch) in by_step
+            for t in complete(by_step[(step, batch)])]
+    landscape = Landscape(runs, batch, search)
+    race_trials = complete(by_step[(RACE, batch)]) if (RACE, batch) in by_step else []
+    lines = [f"## batch {batch}", ""]
+    if not race_trials:
+        return lines + ["No finished race to replay."]
+    series = race_trials[-1].user_attrs["series"]
+    recorded_pick = race_trials[-1].user_attrs["chosen"]
+    lines += ["| raced configuration | predicted tok/s | measured tok/s | error | rounds |",
+              "|---|---|---|---|---|"]
+    names = [n for n in series if n != VANILLA]
+    for name in names:
+        s = series[name]
+        point = Point.of(_spec(s))
+        predicted = landscape.predict(point) if point.curve in landscape.curves else None
+        error = "n/a" if predicted is None else f"{100 * (predicted / s['tokens_per_second'] - 1):+.1f}%"
+        lines.append(f"| {point.words()} | "
+                     f"{'n/a' if predicted is None else f'{predicted:.1f}'} | "
+                     f"{s['tokens_per_second']:.1f} | {error} | {s['rounds']} |")
+    recorded = {n: series[n]["round_tokens_per_second"] for n in names}
+    spent = sum(len(r) for r in recorded.values()) + len(series[VANILLA]["round_tokens_per_second"])
+    live, measured, decided = list(names), 0, False
+    for done in range(1, max(len(r) for r in recorded.values()) + 1):
+        if any(len(recorded[n]) < done for n in live):
+            # The recorded race dropped one that today's rule keeps: its rounds end here.
+            return lines + ["", "Today's rule would keep measuring a configuration the "
+                                f"recorded race dropped after round {done - 1}: not "
+                                "replayable further."]
+        measured += 1 + len(live)  # vanilla and every configuration still racing
+        live, decided = race_verdict({n: recorded[n][:done] for n in live},
+                                     options.precision)
+        if decided:
+            break
+    pick = live[0]
+    lines += ["", f"Recorded race: {spent} measurements, pick {recorded_pick} "
+                  f"({Point.of(_spec(series[recorded_pick])).words()}).",
+              f"Today's rule (precision {options.precision:g}): "
+              + (f"decided after round {done}" if decided else
+                 f"undecided at the recorded last round, {done}")
+              + f", {measured} measurements, pick {pick} "
+                f"({Point.of(_spec(series[pick])).words()})."]
+    return lines
+
+
+def _spec(series: dict):
+    from vegas_core import SpecConfig
+
+    return SpecConfig(**{k: series[k] for k in SpecConfig().to_dict()})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("journal", type=Path, help="a tune's optuna journal")
+    args = parser.parse_args()
+    if not args.journal.is_file():
+        sys.exit(f"error: {args.journal}: no such file")
+    by_step = studies(open_storage(str(args.journal)))
+    if not by_step:
+        sys.exit(f"error: {args.journal}: no tuning study in it")
+    fingerprint = next(iter(by_step.values())).user_attrs["fingerprint"]
+    lines = [f"# Replay of {args.journal.name}", ""]
+    for batch in sorted({b for _, b in by_step}):
+        lines += replay_size(batch, by_step, fingerprint) + [""]
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
