@@ -612,7 +612,13 @@ def test_recommended_schema_2_profile_becomes_a_speculative_entry():
      "a schema 2 profile that cannot be read as schema 4 (KeyError: 'workload')"),
 ], ids=["tuned.gamma", "workload.ctx", "results.speedup", "no-workload"])
 def test_bad_schema_2_file_is_one_line_naming_the_problem(tmp_path, change, expected):
-    data = yaml.safe_load(SCHEMA_2_FILE.read_text())
+    assert_old_file_refused(SCHEMA_2_FILE, tmp_path, change, expected)
+
+
+def assert_old_file_refused(source: Path, tmp_path, change, expected: str) -> None:
+    """``source`` (an older schema's file) with ``change`` made to it is refused in one
+    line naming ``expected``."""
+    data = yaml.safe_load(source.read_text())
     change(data)
     path = tmp_path / "old.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
@@ -666,13 +672,7 @@ def test_committed_schema_3_file_loads_with_target_vegas(tmp_path):
      "provenance.started: Input should be a valid string"),
 ], ids=["no-exports", "tuned.window", "started-as-date"])
 def test_bad_schema_3_file_is_one_line_naming_the_problem(tmp_path, change, expected):
-    data = yaml.safe_load(SCHEMA_3_FILE.read_text())
-    change(data)
-    path = tmp_path / "old.yaml"
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    with pytest.raises(VegasError) as error:
-        load_profile(path)
-    assert_one_line(error, f"{path}: invalid profile: {expected}")
+    assert_old_file_refused(SCHEMA_3_FILE, tmp_path, change, expected)
 
 
 # --- the target ----------------------------------------------------------------------

@@ -89,22 +89,31 @@ def parse_target(text: str) -> str:
     return value
 
 
+def parse_whole_numbers(text: str | int, flag: str, malformed: str, minimum: int,
+                        too_small: str) -> tuple[int, ...]:
+    """Comma-separated whole numbers, each >= ``minimum``, none twice; ascending. The
+    errors name ``flag`` and the text: ``malformed`` follows it where a part is not a
+    whole number, ``too_small`` (with the value) where one is below the minimum."""
+    parts = [p.strip() for p in str(text).split(",")]
+    try:
+        numbers = [int(p) for p in parts]
+    except ValueError:
+        raise VegasError(f"{flag} '{text}'{malformed}") from None
+    small = [n for n in numbers if n < minimum]
+    if small:
+        raise VegasError(f"{flag} '{text}': {too_small}, got {small[0]}")
+    repeated = sorted({n for n in numbers if numbers.count(n) > 1})
+    if repeated:
+        raise VegasError(f"{flag} '{text}': {repeated[0]} is given twice; list each once")
+    return tuple(sorted(numbers))
+
+
 def parse_budgets(text: str | int) -> tuple[int, ...]:
     """'128,256,512' -> (128, 256, 512): draft budgets in KV slots, each >= MIN_BUDGET,
     no repeats; ascending."""
     from vegas_tune.space import MIN_BUDGET
 
-    parts = [p.strip() for p in str(text).split(",")]
-    try:
-        budgets = [int(p) for p in parts]
-    except ValueError:
-        raise VegasError(f"--budgets '{text}': give comma-separated slot counts, e.g. "
-                         "128,256,512,1024") from None
-    small = [b for b in budgets if b < MIN_BUDGET]
-    if small:
-        raise VegasError(f"--budgets '{text}': every budget must be >= {MIN_BUDGET} slots "
-                         f"(16 sink tokens and a recent window), got {small[0]}")
-    repeated = sorted({b for b in budgets if budgets.count(b) > 1})
-    if repeated:
-        raise VegasError(f"--budgets '{text}': {repeated[0]} is given twice")
-    return tuple(sorted(budgets))
+    return parse_whole_numbers(
+        text, "--budgets", ": give comma-separated slot counts, e.g. 128,256,512,1024",
+        MIN_BUDGET, f"every budget must be >= {MIN_BUDGET} slots (16 sink tokens and a "
+                    "recent window)")

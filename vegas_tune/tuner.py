@@ -31,7 +31,7 @@ from vegas_core import SpecConfig
 from vegas_core.errors import VegasError
 from vegas_core.spec_config import MAX_GAMMA
 from vegas_tune.measure import Measurer
-from vegas_tune.options import TuneOptions
+from vegas_tune.options import TuneOptions, parse_whole_numbers
 from vegas_tune.progress import ProgressCallback
 from vegas_tune.space import STREAMING, Selection, longest_prefix, selections
 from vegas_tune.steps import (MIN_TOKENS_PER_MEASUREMENT, SWEEP, VANILLA, Measuring, Search,
@@ -325,17 +325,6 @@ def parse_ctx(text: str | int) -> int:
 def batch_sizes(text: str | int) -> tuple[int, ...]:
     """'1,16,64' -> (1, 16, 64): batch sizes to tune, each a whole number >= 1, no
     repeats; returned ascending."""
-    parts = [p.strip() for p in str(text).split(",")]
-    try:
-        sizes = [int(p) for p in parts]
-    except ValueError:
-        raise VegasError(f"--batch-size '{text}' is not a whole number or a comma-separated "
-                         "list of them, e.g. 1,16,64") from None
-    bad = [s for s in sizes if s < 1]
-    if bad:
-        raise VegasError(f"--batch-size '{text}': every size must be >= 1, got {bad[0]}")
-    repeated = sorted({s for s in sizes if sizes.count(s) > 1})
-    if repeated:
-        raise VegasError(f"--batch-size '{text}': {repeated[0]} is given twice; list each "
-                         "size once")
-    return tuple(sorted(sizes))
+    return parse_whole_numbers(text, "--batch-size", " is not a whole number or a "
+                               "comma-separated list of them, e.g. 1,16,64", 1,
+                               "every size must be >= 1")
