@@ -38,10 +38,6 @@ LOW_SUFFIX, HIGH_SUFFIX, INTERVAL_SUFFIX = "_low", "_high", "_interval"
 # Keys of a step's ``chosen`` / ``within_noise`` mapping that are measurements, not settings.
 MEASUREMENT_KEYS = ("tokens_per_second", "vanilla_tokens_per_second", "speedup",
                     "mean_accepted_length", "rounds")
-# The profile rounds figures (tokens/s to 3 decimals): a trial's figure is the profile's
-# when it agrees within half the last decimal, or this relative tolerance.
-FIGURE_ABS_TOL = 5e-4
-FIGURE_REL_TOL = 1e-4
 # A speedup interval is judged against this: no difference from vanilla decoding.
 NO_SPEEDUP = 1.0
 # provenance.engine_path starts with this on the PyTorch reference (CPU) path.
