@@ -15,7 +15,7 @@ Only what the recorded run measured can be replayed: a configuration the recorde
 did not measure has no rounds, so a rule that would have raced other candidates is not
 judged by this.
 
-    python bench/replay_tune.py docs/results/tuner-regret/h100-b256-a.journal
+    python bench/replay_tune.py tests/data/tune-h100-smollm2-8k-b64.journal
 """
 
 from __future__ import annotations

@@ -191,7 +191,7 @@ def test_a_recorded_tune_replays_through_todays_cost_model_and_race_rule():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    journal = root / "docs" / "results" / "tuner-regret" / "h100-b64-a.journal"
+    journal = root / "tests" / "data" / "tune-h100-smollm2-8k-b64.journal"
     out = subprocess.run([sys.executable, str(root / "bench" / "replay_tune.py"), str(journal)],
                          capture_output=True, text=True, timeout=300, check=True).stdout
     rows = [line for line in out.splitlines() if line.startswith("| vegas") or
