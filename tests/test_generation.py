@@ -35,6 +35,41 @@ def test_speculative_steady_window_stops_when_a_sequence_finishes():
     assert sum(s.steady_phase_seconds.values()) <= s.steady_seconds + 1e-6
 
 
+def test_stop_after_steady_decodes_the_steady_window_and_no_further():
+    """The steady window and everything before it are decoded as without the stop, and
+    the decode ends with the window: the first iteration in which a sequence finishes."""
+    prompts = [prompt(40, 1), prompt(40, 2), prompt(40, 3)]
+    full = generate(tiny_model(), prompts, max_new_tokens=15, ignore_eos=True, spec=SPEC)
+    cut = generate(tiny_model(), prompts, max_new_tokens=15, ignore_eos=True, spec=SPEC,
+                   stop_after_steady=True)
+    f, c = full.stats, cut.stats
+    assert f.iterations > f.steady_iterations  # the tail exists, and the cut skips it
+    assert c.iterations == c.steady_iterations == f.steady_iterations
+    assert c.steady_tokens == f.steady_tokens
+    assert max(len(t) for t in cut.tokens) == 15 > min(len(t) for t in cut.tokens)
+    assert all(t == u[:len(t)] for t, u in zip(cut.tokens, full.tokens))
+
+
+def test_stop_after_steady_goes_on_until_there_is_a_steady_iteration(monkeypatch):
+    """With no steady iteration (here every iteration captures a graph) the decode runs
+    to completion, as without the stop: the measurer then reports that rate."""
+    from vegas_core.speculative import SpeculativeSession
+
+    step = SpeculativeSession.step
+
+    def capturing(self, active):
+        graphs._captures += 1
+        return step(self, active)
+
+    monkeypatch.setattr(SpeculativeSession, "step", capturing)
+    prompts = [prompt(40, 1), prompt(40, 2), prompt(40, 3)]
+    full = generate(tiny_model(), prompts, max_new_tokens=15, ignore_eos=True, spec=SPEC)
+    cut = generate(tiny_model(), prompts, max_new_tokens=15, ignore_eos=True, spec=SPEC,
+                   stop_after_steady=True)
+    assert cut.stats.steady_iterations == 0
+    assert cut.tokens == full.tokens and all(len(t) == 15 for t in cut.tokens)
+
+
 def test_an_iteration_that_captures_a_graph_is_not_steady(monkeypatch):
     """Capture (and kernel compilation inside it) is one-off work: not a steady rate."""
     from vegas_core.speculative import SpeculativeSession
@@ -70,7 +105,6 @@ def test_measurer_reports_the_steady_rate_over_full_batches():
     assert workload.batches()[1][1] == prompts[0].ids  # wrapped around
     m = Measurer(tiny_model(), workload).measure(SPEC)
     assert m.tokens_per_second == pytest.approx(m.steady_tokens / m.steady_seconds)
-    assert m.completion_tokens_per_second == pytest.approx(m.decode_tokens / m.decode_seconds)
     assert 0 < m.steady_iterations <= m.iterations
     assert m.wall_seconds >= m.decode_seconds + m.prefill_seconds
     assert m.draft_step_seconds > 0 and m.verify_step_seconds > 0

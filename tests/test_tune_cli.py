@@ -219,7 +219,6 @@ def fake_measurement(tokens_per_second: float, accepted: float = 2.0,
     cost model ranks configurations as their throughputs do."""
     rates = [0.5, 0.3, 0.1, 0.1]
     return Measurement(tokens_per_second=tokens_per_second,
-                       completion_tokens_per_second=0.9 * tokens_per_second,
                        decode_seconds=100.0 / tokens_per_second,
                        decode_tokens=int(tokens_per_second),
                        steady_seconds=80.0 / tokens_per_second,

@@ -12,6 +12,8 @@ iteration pays for one-off work (CUDA graph capture). ``GenerationStats.steady_*
 therefore count only the *steady iterations*: those that start with every sequence of
 the batch still decoding and capture no graph; tokens are counted as produced, before a
 token limit cuts them. ``tokens_per_second`` keeps the batch-to-completion rate.
+``stop_after_steady`` ends the decode with the steady window: what a steady-state
+measurement needs, without the tail (most of the iterations of a large speculative batch).
 """
 
 from __future__ import annotations
@@ -192,8 +194,9 @@ def _gc_paused() -> Iterator[None]:
 
 
 def _decode_loop(decoder: Decoder, batch: int, max_new_tokens: int, eos: set[int],
-                 progress: ProgressFn | None) -> _LoopRecord:
-    """Run ``decoder`` until every sequence has hit EOS or ``max_new_tokens``."""
+                 progress: ProgressFn | None, stop_after_steady: bool = False) -> _LoopRecord:
+    """Run ``decoder`` until every sequence has hit EOS or ``max_new_tokens``; with
+    ``stop_after_steady``, as soon as one has after at least one steady iteration."""
     rec = _LoopRecord(out=[[] for _ in range(batch)])
     done = [False] * batch
 
@@ -233,6 +236,8 @@ def _decode_loop(decoder: Decoder, batch: int, max_new_tokens: int, eos: set[int
                 take(i, new[i])
             if progress:
                 progress("decode", min(len(o) for o in rec.out), max_new_tokens)
+            if stop_after_steady and rec.steady_iterations and any(done):
+                break
     return rec
 
 
@@ -250,6 +255,7 @@ def generate(
     prefill_chunk: int | None = None,
     progress: ProgressFn | None = None,
     prefix_cache: PrefixCache | None = None,
+    stop_after_steady: bool = False,
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` per prompt.
 
@@ -262,6 +268,9 @@ def generate(
     ``prefill_chunk``: rows of one prompt per prefill forward (default: whole prompts
     where memory allows). ``prefix_cache`` reuses prompt K/V across calls (see
     ``PrefixCache``; a model's kept cache also remembers its rows' prompts).
+    ``stop_after_steady``: end the decode when the steady window does (the first
+    sequence finishes), once it has at least one steady iteration; sequences then hold
+    fewer tokens than they would have, and the statistics cover what was decoded.
     """
     params = SamplingParams(temperature, top_p, top_k, seed)
     if prefill_chunk is not None and prefill_chunk < 1:
@@ -286,7 +295,8 @@ def generate(
     prefill_timers = dict(decoder.timers)
     sync(dev)
     t1 = time.perf_counter()
-    rec = _decode_loop(decoder, len(prompt_ids), max_new_tokens, eos, progress)
+    rec = _decode_loop(decoder, len(prompt_ids), max_new_tokens, eos, progress,
+                       stop_after_steady)
     sync(dev)
     t2 = time.perf_counter()
 

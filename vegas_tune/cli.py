@@ -481,18 +481,22 @@ def grid(
                                                  "batch size is re-measured beside the grid's "
                                                  "best (repeat for several)."),
     rounds: int = typer.Option(5, help="Interleaved rounds of the comparison."),
+    resume: bool = typer.Option(False, "--resume", help="Finish the pass an earlier run "
+                                "left in <out>.partial (stopped or interrupted)."),
     debug: bool = typer.Option(False, help="Show tracebacks."),
 ) -> None:
     """Measure every configuration of a space once (vanilla interleaved), then re-measure
-    the best beside the picks of --compare profiles: their regret, in one run."""
+    the best beside the picks of --compare profiles: their regret, in one run. Finished
+    points are kept in <out>.partial until the pass ends: --resume goes on from them."""
     from vegas_core import load_model
     from vegas_tune.datasets import check_dataset, load_prompts
     from vegas_tune.grid import (GRID_BEST, GRID_TOP, GridResult, compare as race_configs,
-                                 grid_markdown, grid_points, parse_gammas, regret_words,
-                                 run_grid, spec_of_row, write_json)
+                                 grid_markdown, grid_points, parse_gammas, partial_path,
+                                 read_partial, regret_words, run_grid, spec_of_row,
+                                 write_json, write_partial)
     from vegas_tune.hardware import fingerprint
     from vegas_tune.measure import Measurer, Workload
-    from vegas_tune.pipeline import git_revision
+    from vegas_tune.pipeline import STUDY_HARDWARE_KEYS, git_revision
     from vegas_tune.preflight import check_model_size
     from vegas_tune.profile import load_profile
     from vegas_tune.space import longest_prefix
@@ -528,6 +532,23 @@ def grid(
                      batch_size=batch_size, extra_tokens=gamma_list[-1] + 1)
     prefix = longest_prefix(tokens, max_new_tokens)
     points = grid_points(space_target, usable_budgets(slots, tokens), gamma_list)
+    hardware = fingerprint(device)
+    partial, start = partial_path(out), None
+    if from_file is None:
+        key = {"model": model, "dtype": str(dt), "ctx": tokens, "dataset": dataset,
+               "batch_size": batch_size, "max_new_tokens": max_new_tokens,
+               "num_prompts": num_prompts or batch_size, "temperature": temperature,
+               "seed": seed, "vanilla_every": vanilla_every, "target": space_target,
+               "points": [[p.selection.drafter, p.selection.score, p.selection.window,
+                           p.budget, p.gamma] for p in points],
+               "hardware": {k: hardware.get(k) for k in STUDY_HARDWARE_KEYS}}
+        if partial.exists() and not resume:
+            raise VegasError(f"{partial} holds an unfinished pass: pass --resume to finish "
+                             "it, or delete it to start over")
+        if resume:
+            if not partial.exists():
+                raise VegasError(f"--resume: no unfinished pass at {partial}")
+            start = read_partial(partial, key)
     loaded = load_model(model, device=dev, dtype=dt)
     prompts = load_prompts(loaded.tokenizer, dataset, tokens, num_prompts or batch_size, seed)
     measurer = Measurer(loaded, Workload(prompts, batch_size, max_new_tokens, temperature, seed))
@@ -537,17 +558,26 @@ def grid(
         except (OSError, ValueError, KeyError) as e:
             raise VegasError(f"--from-file {from_file}: not a grid file ({e})") from None
     else:
+        if start is not None:
+            stderr.print(f"resuming {partial}: {len(start.rows)} of {len(points)} points "
+                         "measured")
         with stderr.status(f"grid: {len(points)} points ...") as status:
             def progress(done: int, total: int, row: dict) -> None:
                 status.update(f"grid: {done}/{total} points, last {row['drafter']} "
                               f"{row['budget']} slots gamma {row['gamma']}: "
                               f"{row['tokens_per_second']:.0f} tok/s")
 
-            result = run_grid(measurer, points, prefix, vanilla_every, progress)
+            try:
+                result = run_grid(measurer, points, prefix, vanilla_every, progress, start,
+                                  lambda kept: write_partial(partial, key, kept))
+            except KeyboardInterrupt:
+                log.warning("interrupted: the points finished before the last vanilla run "
+                            "are kept in %s; rerun with --resume", partial)
+                raise
     best = result.best()
     data = {"command": "vegas-tune " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
-            "git_revision": git_revision(), "hardware": fingerprint(device),
-            "model": loaded.label, "workload": {"ctx": tokens, "dataset": dataset,
+            "git_revision": git_revision(), "hardware": hardware,
+            "model": loaded.label, "dtype": str(dt), "workload": {"ctx": tokens, "dataset": dataset,
                                                 "batch_size": batch_size,
                                                 "max_new_tokens": max_new_tokens,
                                                 "num_prompts": len(prompts)},
@@ -579,6 +609,7 @@ def grid(
                          f"{p.provenance.duration_seconds / result.wall_seconds:.0%} of the "
                          "grid pass")
     write_json(data, out)
+    partial.unlink(missing_ok=True)
     md = out.with_suffix(".md")
     md.write_text(grid_markdown(result, f"Grid: {model}, ctx {tokens}, batch {batch_size}",
                                 lines))

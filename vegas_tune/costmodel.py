@@ -7,9 +7,9 @@ the probe gamma G, at the batch size being tuned. Each run gives
   on how many positions are drafted after i, so tokens per iteration per sequence at any
   gamma g <= G are E(g) = 1 + sum_{i <= g} a_i;
 - the tokens per sequence each steady iteration produced, which throughput counts. It
-  falls short of E(G) (up to 10% at small budgets, SmolLM2 8k on an H100): the rates are
-  over every round, the steady iterations are the early ones, and the new-token limit
-  cuts the last. So the rates are scaled by one factor, (steady tokens - 1) / (E(G) - 1),
+  falls short of E(G) (up to 10% at small budgets, SmolLM2 8k on an H100): the rates
+  include the first, untimed iterations, and the new-token limit cuts the last steady
+  one. So the rates are scaled by one factor, (steady tokens - 1) / (E(G) - 1),
   that makes E(G) what the steady window produced;
 - the time of one steady iteration of the whole batch at G, T(G), and of one draft
   forward, d.

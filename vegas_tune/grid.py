@@ -76,22 +76,38 @@ class GridResult:
 
 def run_grid(measurer: Measurer, points: list[Point], longest_prefix: int,
              vanilla_every: int = VANILLA_EVERY,
-             progress: Callable[[int, int, dict], None] | None = None) -> GridResult:
+             progress: Callable[[int, int, dict], None] | None = None,
+             start: GridResult | None = None,
+             checkpoint: Callable[[GridResult], None] | None = None) -> GridResult:
     """Measure each point once, vanilla before the first and after every
-    ``vanilla_every`` points (and after the last). A point's speedup is over the mean of
-    the vanilla runs on either side of it."""
-    start = time.perf_counter()
-    vanilla: list[dict] = []
-    rows: list[dict] = []
+    ``vanilla_every`` points (and after the last). A point's speedup is over the
+    geometric mean of the vanilla runs on either side of it.
+
+    ``checkpoint(partial)`` is called after every vanilla run but the last, with the points
+    it closes: a pass stopped at any moment loses at most the points since. ``start``, such
+    a partial result, is continued: its points are kept, and the pass goes on with a fresh
+    vanilla run (this process's, maybe another machine's state) before the next point.
+    ``wall_seconds`` sums the passes' measuring time up to their last kept vanilla run."""
+    clock = time.perf_counter()
+    before = start.wall_seconds if start else 0.0
+    vanilla: list[dict] = list(start.vanilla) if start else []
+    rows: list[dict] = list(start.rows) if start else []
+    first = len(rows)
 
     def measure_vanilla(index: int) -> None:
         m = measurer.measure(None)
         vanilla.append({"before_point": index, "tokens_per_second": m.tokens_per_second,
                         "wall_seconds": m.wall_seconds})
 
-    for index, point in enumerate(points):
-        if index % vanilla_every == 0:
+    def elapsed() -> float:
+        return before + time.perf_counter() - clock
+
+    for index in range(first, len(points)):
+        if index % vanilla_every == 0 or index == first:
             measure_vanilla(index)
+            if checkpoint and index:
+                checkpoint(GridResult(list(rows), list(vanilla), elapsed()))
+        point = points[index]
         spec = point.spec(longest_prefix)
         m = measurer.measure(spec)
         rows.append({**_point_row(point, spec), "tokens_per_second": m.tokens_per_second,
@@ -101,14 +117,39 @@ def run_grid(measurer: Measurer, points: list[Point], longest_prefix: int,
             progress(index + 1, len(points), rows[-1])
     measure_vanilla(len(points))
     for index, row in enumerate(rows):
-        before = max((v for v in vanilla if v["before_point"] <= index),
-                     key=lambda v: v["before_point"])
-        after = min((v for v in vanilla if v["before_point"] > index),
-                    key=lambda v: v["before_point"])
-        row["vanilla_tokens_per_second"] = math.sqrt(before["tokens_per_second"]
-                                                     * after["tokens_per_second"])
+        # The last vanilla run at or before the point (a resumed pass's own), and the
+        # first after it (the one that closed the point's stretch).
+        earlier = [v for v in vanilla if v["before_point"] <= index][-1]
+        later = next(v for v in vanilla if v["before_point"] > index)
+        row["vanilla_tokens_per_second"] = math.sqrt(earlier["tokens_per_second"]
+                                                     * later["tokens_per_second"])
         row["speedup"] = row["tokens_per_second"] / row["vanilla_tokens_per_second"]
-    return GridResult(rows, vanilla, time.perf_counter() - start)
+    return GridResult(rows, vanilla, elapsed())
+
+
+def partial_path(out: Path) -> Path:
+    """Where a pass that writes ``out`` keeps its finished points until it ends."""
+    return out.with_name(out.name + ".partial")
+
+
+def read_partial(path: Path, key: dict) -> GridResult:
+    """The partial pass kept at ``path``; refused unless it was measured for ``key`` (the
+    model, workload, space and hardware: points measured under others would be compared
+    as if they were not)."""
+    try:
+        data = json.loads(path.read_text())
+        recorded, result = data["key"], GridResult.from_json(data["grid"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise VegasError(f"{path}: not a partial grid ({e}); delete it to start over") from None
+    differs = sorted(k for k in set(key) | set(recorded) if key.get(k) != recorded.get(k))
+    if differs:
+        raise VegasError(f"{path} holds a grid of another {', '.join(differs)}: give the "
+                         "same options to resume it, or delete it to start over")
+    return result
+
+
+def write_partial(path: Path, key: dict, result: GridResult) -> None:
+    write_json({"key": key, "grid": result.to_json()}, path)
 
 
 def _point_row(point: Point, spec: SpecConfig) -> dict:

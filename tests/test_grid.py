@@ -1,0 +1,148 @@
+"""vegas-tune grid: every point once with vanilla interleaved, a pass stopped and resumed,
+and the regret of a pick re-measured beside the grid's best."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from tests.test_tune_cli import fake_measurement, run
+from vegas_core.errors import VegasError
+from vegas_tune.grid import (GridResult, compare, grid_points, parse_gammas, partial_path,
+                             run_grid)
+
+POINTS = grid_points("vllm", (128, 256), (4, 5, 6))  # 2 selections x 2 budgets x 3 gammas
+PREFIX = 1000
+# The grid command on the tiny dummy model: 2 x 2 x 3 = 12 points in a few seconds.
+GRID = ["grid", "--model", "dummy:tiny", "--ctx", "512", "--batch-size", "2",
+        "--max-new-tokens", "12", "--budgets", "32,64", "--gammas", "2-4", "--device", "cpu",
+        "--vanilla-every", "4"]
+
+
+def rate(spec) -> float:
+    """A throughput that differs by point: the larger the gamma and budget, the faster."""
+    return 100.0 if spec is None else 100.0 + spec.gamma + spec.min_tokens / 64
+
+
+class FakeMeasurer:
+    """Measures instantly; ``vanilla`` gives the vanilla runs' throughputs in turn, and
+    the call numbered ``stop_at`` raises KeyboardInterrupt."""
+
+    def __init__(self, vanilla=None, stop_at=None):
+        self.calls, self.vanilla, self.stop_at = [], list(vanilla or []), stop_at
+
+    def measure(self, spec):
+        if self.stop_at is not None and len(self.calls) == self.stop_at:
+            raise KeyboardInterrupt
+        self.calls.append(spec)
+        tokens = (self.vanilla.pop(0) if self.vanilla else 100.0) if spec is None else rate(spec)
+        return fake_measurement(tokens, gamma=spec.gamma if spec else 0)
+
+
+@pytest.mark.parametrize("text, gammas", [("4-6", (4, 5, 6)), ("8,6,6", (6, 8)), ("3", (3,))])
+def test_gammas_parse_as_ranges_or_lists(text, gammas):
+    assert parse_gammas(text) == gammas
+
+
+@pytest.mark.parametrize("text", ["0-3", "a-b", "", "4,x"])
+def test_bad_gammas_name_the_option(text):
+    with pytest.raises(VegasError, match="--gammas"):
+        parse_gammas(text)
+
+
+def test_each_point_once_over_the_vanilla_runs_on_either_side():
+    vanilla = [100.0, 121.0, 144.0, 169.0]
+    measurer = FakeMeasurer(vanilla)
+    result = run_grid(measurer, POINTS, PREFIX, vanilla_every=5)
+    # Vanilla before points 0, 5 and 10 and after the last: 12 points + 4 vanilla runs.
+    assert [v["before_point"] for v in result.vanilla] == [0, 5, 10, 12]
+    assert [s is None for s in measurer.calls].count(True) == 4 and len(measurer.calls) == 16
+    assert [(r["budget"], r["gamma"]) for r in result.rows] == [(p.budget, p.gamma)
+                                                               for p in POINTS]
+    for index, row in enumerate(result.rows):
+        stretch = index // 5
+        reference = math.sqrt(vanilla[stretch] * vanilla[stretch + 1])
+        assert row["vanilla_tokens_per_second"] == pytest.approx(reference)
+        assert row["speedup"] == pytest.approx(row["tokens_per_second"] / reference)
+    # The best is the fastest over its own vanilla runs (vanilla sped up over the pass),
+    # not the one of the highest raw throughput (256 slots, gamma 6, in later stretches).
+    best = result.best()
+    assert (best["drafter"], best["budget"], best["gamma"]) == ("vegas", 256, 5)
+
+
+def test_a_stopped_pass_resumes_keeping_every_point_a_vanilla_run_closed():
+    kept: list[GridResult] = []
+    # Calls: vanilla, 4 points, vanilla (checkpoint of points 0-3), 2 points, then stop.
+    with pytest.raises(KeyboardInterrupt):
+        run_grid(FakeMeasurer(stop_at=8), POINTS, PREFIX, vanilla_every=4,
+                 checkpoint=kept.append)
+    partial = kept[-1]
+    assert len(partial.rows) == 4 and [v["before_point"] for v in partial.vanilla] == [0, 4]
+    # Resumed (another process: its vanilla runs measure 200 tokens/s): the two points
+    # measured after the last checkpoint are measured again, after a fresh vanilla run.
+    partial = GridResult.from_json(json.loads(json.dumps(partial.to_json())))
+    measurer = FakeMeasurer([200.0] * 5)
+    result = run_grid(measurer, POINTS, PREFIX, vanilla_every=4, start=partial)
+    assert len(result.rows) == len(POINTS)
+    assert [(r["budget"], r["gamma"]) for r in result.rows] == [(p.budget, p.gamma)
+                                                               for p in POINTS]
+    assert measurer.calls[0] is None and len([s for s in measurer.calls if s]) == 8
+    # Points 0-3 lie between the first process's vanilla runs; point 4 between the
+    # resumed process's first two.
+    assert result.rows[3]["vanilla_tokens_per_second"] == pytest.approx(100.0)
+    assert result.rows[4]["vanilla_tokens_per_second"] == pytest.approx(200.0)
+
+
+def test_regret_is_measured_against_the_best_of_the_references():
+    best, pick = POINTS[-1], POINTS[0]
+    configs = {"grid #1": best.spec(PREFIX), "pick": pick.spec(PREFIX)}
+    out = compare(FakeMeasurer(), configs, rounds=3, references=["grid #1"])
+    assert out["reference"] == "grid #1"
+    assert out["ratios"]["grid #1"]["ratio"] == pytest.approx(1.0)
+    expected = rate(pick.spec(PREFIX)) / rate(best.spec(PREFIX))
+    assert out["ratios"]["pick"]["ratio"] == pytest.approx(expected)
+    assert out["series"]["pick"]["rounds"] == 3
+
+
+def test_compare_needs_two_rounds_for_an_interval():
+    with pytest.raises(VegasError, match="--rounds must be at least 2"):
+        compare(FakeMeasurer(), {"a": POINTS[0].spec(PREFIX)}, rounds=1, references=["a"])
+
+
+def test_an_interrupted_grid_command_resumes_only_with_resume(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "grid.json"
+    calls, stop_at = [], [9]  # vanilla, 4 points, vanilla, 3 points: stop in the 2nd stretch
+
+    def measure(self, spec, report=None):
+        if len(calls) in stop_at:
+            raise KeyboardInterrupt
+        calls.append(spec)
+        return fake_measurement(rate(spec), gamma=spec.gamma if spec else 0)
+
+    monkeypatch.setattr("vegas_tune.measure.Measurer.measure", measure)
+    code, _, _ = run([*GRID, "--out", str(out)], capsys)
+    partial = partial_path(out)
+    assert code == 130 and not out.exists()
+    assert len(json.loads(partial.read_text())["grid"]["rows"]) == 4
+
+    code, _, err = run([*GRID, "--out", str(out)], capsys)
+    assert code == 2 and "pass --resume to finish it" in err and "Traceback" not in err
+    code, _, err = run([*GRID, "--out", str(out), "--resume", "--gammas", "2-5"], capsys)
+    assert code == 2 and "holds a grid of another points" in err
+
+    calls.clear()
+    stop_at.clear()
+    code, stdout, err = run([*GRID, "--out", str(out), "--resume"], capsys)
+    assert code == 0, err
+    assert "resuming" in err and "4 of 12 points measured" in err
+    assert len([s for s in calls if s is not None]) == 8  # only the points not kept
+    data = json.loads(out.read_text())
+    assert data["points"] == 12 and not partial.exists()
+    assert out.with_suffix(".md").read_text().count("| vegas |") == 6
+
+
+def test_resume_without_a_partial_pass_is_refused(tmp_path, capsys):
+    code, _, err = run([*GRID, "--out", str(tmp_path / "g.json"), "--resume"], capsys)
+    assert code == 2 and "no unfinished pass" in err
