@@ -12,24 +12,29 @@ as the code of today builds it, and prints
   against what the recorded race spent and picked.
 
 Only what the recorded run measured can be replayed: a configuration the recorded race
-did not measure has no rounds, so a rule that would have raced other candidates is not
-judged by this.
+did not measure has no rounds. With ``--grid`` (a ``vegas-tune grid`` file of the same
+workload and batch size) it also lists the configurations today's rule would race
+(``Steps.candidates``) with each one's single grid run, beside the grid's best: how close
+the race could get, as far as one run per point can tell.
 
     python bench/replay_tune.py tests/data/tune-h100-smollm2-8k-b64.journal
+    python bench/replay_tune.py a.journal --grid grid.json
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from vegas_tune.options import TuneOptions  # noqa: E402
 from vegas_tune.space import Point, longest_prefix, selections  # noqa: E402
 from vegas_tune.steps import (EXTEND, RACE, SWEEP, VANILLA, Landscape, Search,  # noqa: E402
-                              race_verdict)
+                              Steps, race_verdict)
 from vegas_tune.studies import open_storage  # noqa: E402
 from vegas_tune.tuner import gamma_limit  # noqa: E402
 
@@ -53,7 +58,30 @@ def complete(study) -> list:
     return study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
 
 
-def replay_size(batch: int, by_step: dict, fingerprint: dict) -> list[str]:
+def candidate_lines(landscape: Landscape, options: TuneOptions, grid: dict) -> list[str]:
+    """Today's race candidates beside their one run in ``grid`` (a grid file's data)."""
+    rows = {(r["drafter"], r["score"], r["window"], r["budget"], r["gamma"]): r
+            for r in grid["grid"]["rows"]}
+    best = max(rows.values(), key=lambda r: r["speedup"])
+    lines = ["", f"Today's race candidates (--candidates {options.candidates}) in the grid "
+                 f"(batch {grid['workload']['batch_size']}, one run per point):", "",
+             "| candidate | predicted tok/s | grid speedup |", "|---|---|---|"]
+    found = []
+    for point in Steps.candidates(SimpleNamespace(options=options), landscape):
+        spec = landscape.search.spec(point)
+        row = rows.get((spec.drafter, spec.score, spec.window, point.budget, point.gamma))
+        found += [row["speedup"]] if row else []
+        measured = f"{row['speedup']:.3f}x" if row else "not in the grid"
+        lines.append(f"| {point.words()} | {landscape.predict(point):.1f} | {measured} |")
+    lines += ["", f"Grid's best: {best['drafter']} {best['score']} window {best['window']}, "
+                  f"{best['budget']} slots, gamma {best['gamma']}: {best['speedup']:.3f}x"
+              + (f"; the best candidate's run is {100 * (1 - max(found) / best['speedup']):.1f}% "
+                 "below it" if found else "")]
+    return lines
+
+
+def replay_size(batch: int, by_step: dict, fingerprint: dict,
+                grid: dict | None = None) -> list[str]:
     ctx, new = fingerprint["ctx"], fingerprint["max_new_tokens"]
     options = TuneOptions(target=fingerprint["target"], budgets=tuple(fingerprint["budgets"]),
                           probe_gamma=fingerprint["probe_gamma"],
@@ -66,6 +94,8 @@ def replay_size(batch: int, by_step: dict, fingerprint: dict) -> list[str]:
     landscape = Landscape(runs, batch, search)
     race_trials = complete(by_step[(RACE, batch)]) if (RACE, batch) in by_step else []
     lines = [f"## batch {batch}", ""]
+    if grid is not None and grid["workload"]["batch_size"] == batch:
+        lines += candidate_lines(landscape, options, grid)[1:] + [""]
     if not race_trials:
         return lines + ["No finished race to replay."]
     series = race_trials[-1].user_attrs["series"]
@@ -115,16 +145,19 @@ def _spec(series: dict):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("journal", type=Path, help="a tune's optuna journal")
+    parser.add_argument("--grid", type=Path, help="a vegas-tune grid file of the same workload")
     args = parser.parse_args()
-    if not args.journal.is_file():
-        sys.exit(f"error: {args.journal}: no such file")
+    for path in [args.journal] + ([args.grid] if args.grid else []):
+        if not path.is_file():
+            sys.exit(f"error: {path}: no such file")
+    grid = json.loads(args.grid.read_text()) if args.grid else None
     by_step = studies(open_storage(str(args.journal)))
     if not by_step:
         sys.exit(f"error: {args.journal}: no tuning study in it")
     fingerprint = next(iter(by_step.values())).user_attrs["fingerprint"]
     lines = [f"# Replay of {args.journal.name}", ""]
     for batch in sorted({b for _, b in by_step}):
-        lines += replay_size(batch, by_step, fingerprint) + [""]
+        lines += replay_size(batch, by_step, fingerprint, grid) + [""]
     print("\n".join(lines))
 
 

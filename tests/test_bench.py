@@ -197,7 +197,39 @@ def test_a_recorded_tune_replays_through_todays_cost_model_and_race_rule():
     rows = [line for line in out.splitlines() if line.startswith("| vegas") or
             line.startswith("| streaming")]
     assert len(rows) == 5 and all("n/a" not in row for row in rows)
+    assert "race candidates" not in out  # only with --grid
     assert "decided after round" in out
     recorded = out.split("Recorded race: ")[1].split("pick ")[1].split(" ")[0]
     today = out.split("Today's rule")[1].split("pick ")[1].split(" ")[0]
     assert recorded == today
+
+
+def test_replay_with_a_grid_lists_todays_candidates_beside_their_grid_runs(tmp_path):
+    """--grid: today's candidates from the recorded sweep, each with its one grid run,
+    and how far the best of them lies below the grid's best."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from vegas_tune.space import selections
+
+    root = Path(__file__).resolve().parents[1]
+    journal = root / "tests" / "data" / "tune-h100-smollm2-8k-b64.journal"
+    # A grid of the recorded tune's space (vllm target), vegas at 512 slots fastest.
+    rows = [{"drafter": s.drafter, "score": s.score if s.drafter == "vegas" else "logit",
+             "window": s.window, "budget": b, "gamma": g,
+             "speedup": 2.0 + (s.drafter == "vegas") * 0.1 + (b == 512) * 0.05 - abs(g - 9) / 100}
+            for s in selections("vllm") for b in (128, 256, 512, 1024) for g in range(1, 13)]
+    grid = tmp_path / "grid.json"
+    grid.write_text(json.dumps({"workload": {"batch_size": 64}, "grid": {"rows": rows}}))
+    out = subprocess.run([sys.executable, str(root / "bench" / "replay_tune.py"), str(journal),
+                          "--grid", str(grid)],
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    table = out.split("Today's race candidates")[1].split("Grid's best")[0]
+    candidates = [line for line in table.splitlines() if line.startswith("| vegas")
+                  or line.startswith("| streaming")]
+    assert 4 <= len(candidates) <= 7 and all(line.endswith("x |") for line in candidates)
+    assert "Grid's best: vegas weight window 0.0, 512 slots, gamma 9: 2.150x" in out
+    below = float(out.split("the best candidate's run is ")[1].split("%")[0])
+    assert 0.0 <= below < 5.0

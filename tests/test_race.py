@@ -1,12 +1,15 @@
-"""The race's rule (vegas_tune.steps.race_verdict): paired ratios to the leader decide who
-drops out and when the race is over."""
+"""The race: who is raced (``Steps.candidates``), and its rule (``race_verdict``): paired
+ratios to the leader decide who drops out and when the race is over."""
 
 from __future__ import annotations
 
 import math
 import random
+from types import SimpleNamespace
 
-from vegas_tune.steps import MIN_ROUNDS, race_verdict
+from vegas_tune.options import TuneOptions
+from vegas_tune.space import Point, selections
+from vegas_tune.steps import MIN_ROUNDS, Landscape, Search, Steps, race_verdict
 
 
 def rounds(mean: float, n: int, noise: float, seed: int, drift: list[float]) -> list[float]:
@@ -54,3 +57,43 @@ def test_the_leader_is_the_highest_mean_whatever_its_name():
     race = {"c1": [99.0, 99.0, 99.0], "c2": [100.0, 100.5, 99.5], "c3": [99.9, 100.2, 99.6]}
     live, _ = race_verdict(race, 0.01)
     assert live[0] == "c2"
+
+
+def _sweep_trial(point, prefix: int, acceptance: list[float], iteration_seconds: float,
+                 batch: int) -> SimpleNamespace:
+    """A sweep run as the landscape reads it: 8 steady iterations at ``iteration_seconds``
+    that produced what ``acceptance`` says."""
+    spec = point.spec(prefix)
+    steady = 8
+    tokens = steady * batch * (1 + sum(acceptance))
+    attrs = {f"spec_{k}": v for k, v in spec.to_dict().items()}
+    attrs.update(claim="x", steady_iterations=steady, steady_seconds=steady * iteration_seconds,
+                 steady_tokens=tokens, decode_seconds=0.0, decode_tokens=0, iterations=steady,
+                 draft_step_seconds=0.001, acceptance_by_position=acceptance)
+    return SimpleNamespace(user_attrs=attrs)
+
+
+def test_the_race_takes_distinct_pairs_and_the_first_ones_neighbouring_gammas():
+    """Candidates are the best gamma of the best (selection, budget) pairs, not the best
+    points (which crowd onto one pair's flat top), plus the first pair's gammas either
+    side and each drafter's best."""
+    batch, prefix, probe = 4, 1000, 8
+    search = Search(batch, selections("vllm"), (128, 256), probe, prefix, 63, 900)
+    vegas, streaming = search.selections
+    rates = {(vegas, 256): 0.9, (vegas, 128): 0.85, (streaming, 256): 0.8, (streaming, 128): 0.6}
+    trials = [_sweep_trial(Point(s, b, probe), prefix, [r ** i for i in range(1, probe + 1)],
+                           0.010, batch) for (s, b), r in rates.items()]
+    short = search.short_probe
+    trials.append(_sweep_trial(short, prefix, [rates[short.curve] ** i
+                                               for i in range(1, short.gamma + 1)], 0.007, batch))
+    landscape = Landscape(trials, batch, search)
+    bests = landscape.curve_bests()
+    assert [p.curve for p in bests] == [(vegas, 256), (vegas, 128), (streaming, 256),
+                                        (streaming, 128)]
+    assert len({p.curve for p in landscape.ranked()[:2]}) == 1  # the best points: one pair
+    steps = SimpleNamespace(options=TuneOptions(candidates=2))
+    chosen = Steps.candidates(steps, landscape)
+    lead = bests[0]
+    assert chosen[:2] == bests[:2]
+    assert chosen[2:4] == [lead.with_gamma(lead.gamma - 1), lead.with_gamma(lead.gamma + 1)]
+    assert chosen[4:] == [landscape.best("streaming")] == [bests[2]]

@@ -8,8 +8,9 @@
    axis, that axis is extended once: the next budget out (twice the largest, half the
    smallest), or a longer probe gamma where the best gamma is the largest with known
    acceptance. No extension, no trials.
-3. ``race``: the best predicted configurations (``TuneOptions.candidates``, with each
-   drafter's best) and vanilla are measured in interleaved rounds. After ``MIN_ROUNDS``
+3. ``race``: the best predicted gamma of the best predicted (selection, budget) curves
+   (``TuneOptions.candidates`` of them), the gammas either side of the first one's, and
+   each drafter's best, are measured with vanilla in interleaved rounds. After ``MIN_ROUNDS``
    each is judged by its throughput over the leader's, round by round: one that is
    surely slower drops out, and the race ends when one is left, when no one left can
    beat the leader by more than ``precision``, or after ``max_rounds``
@@ -200,6 +201,16 @@ class Landscape:
         """Every point, the fastest predicted first (ties: the smaller point)."""
         return sorted(self.points(), key=lambda p: (-self.predict(p), p))
 
+    def curve_bests(self) -> list[Point]:
+        """Each curve at its best predicted gamma, the fastest first."""
+        seen: set = set()
+        bests = []
+        for point in self.ranked():
+            if point.curve not in seen:
+                seen.add(point.curve)
+                bests.append(point)
+        return bests
+
     def best(self, drafter: str | None = None) -> Point | None:
         for point in self.ranked():
             if drafter is None or point.selection.drafter == drafter:
@@ -333,9 +344,22 @@ class Steps:
     # ---- 3. race ----------------------------------------------------------------------
 
     def candidates(self, landscape: Landscape) -> list[Point]:
-        """The ``candidates`` best predictions, then each drafter's best not among them."""
-        ranked = landscape.ranked()
-        chosen = ranked[: self.options.candidates]
+        """The best gamma of each of the ``candidates`` best (selection, budget) curves,
+        the gammas either side of the first one's, then each drafter's best not among
+        them.
+
+        Distinct curves, not the best points: near its best gamma a curve is flat and
+        predicted within about 2%, so the top points are mostly one curve at adjacent
+        gammas, while curves that differ in selection or budget by as much are known from
+        one sweep run each (SmolLM2 8k, batch 64, H100: the 4 best points, one curve at
+        gammas 9-12, left out the grid's best selection)."""
+        best_points = landscape.curve_bests()[: self.options.candidates]
+        chosen = list(best_points)
+        if best_points:
+            lead = best_points[0]
+            top = landscape.curves[lead.curve].top_gamma
+            chosen += [lead.with_gamma(g) for g in (lead.gamma - 1, lead.gamma + 1)
+                       if 1 <= g <= top]
         for drafter in dict.fromkeys(s.drafter for s in landscape.search.selections):
             if not any(p.selection.drafter == drafter for p in chosen):
                 best = landscape.best(drafter)
