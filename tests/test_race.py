@@ -73,10 +73,10 @@ def _sweep_trial(point, prefix: int, acceptance: list[float], iteration_seconds:
     return SimpleNamespace(user_attrs=attrs)
 
 
-def test_the_race_takes_distinct_pairs_and_the_first_ones_neighbouring_gammas():
-    """Candidates are the best gamma of the best (selection, budget) pairs, not the best
-    points (which crowd onto one pair's flat top), plus the first pair's gammas either
-    side and each drafter's best."""
+def test_the_race_takes_the_best_pairs_each_at_its_best_gamma_and_either_side():
+    """Candidates are the best (selection, budget) pairs, not the best points (which crowd
+    onto one pair's flat top), each at its best predicted gamma and either side, then
+    each drafter's best."""
     batch, prefix, probe = 4, 1000, 8
     search = Search(batch, selections("vllm"), (128, 256), probe, prefix, 63, 900)
     vegas, streaming = search.selections
@@ -93,7 +93,6 @@ def test_the_race_takes_distinct_pairs_and_the_first_ones_neighbouring_gammas():
     assert len({p.curve for p in landscape.ranked()[:2]}) == 1  # the best points: one pair
     steps = SimpleNamespace(options=TuneOptions(candidates=2))
     chosen = Steps.candidates(steps, landscape)
-    lead = bests[0]
-    assert chosen[:2] == bests[:2]
-    assert chosen[2:4] == [lead.with_gamma(lead.gamma - 1), lead.with_gamma(lead.gamma + 1)]
-    assert chosen[4:] == [landscape.best("streaming")] == [bests[2]]
+    assert all(1 < p.gamma < probe for p in bests[:2])
+    assert chosen[:6] == [p.with_gamma(p.gamma + d) for p in bests[:2] for d in (0, -1, 1)]
+    assert chosen[6:] == [landscape.best("streaming")] == [bests[2]]

@@ -61,10 +61,10 @@ def test_tune_writes_a_valid_profile_and_its_files(tuned_profile, capsys):
     assert profile["steps"][0]["trials"] == 1 + 2 * 2 + 1
     race = profile["steps"][-1]
     raced = [p for p in race["predictions"] if p["measured_tokens_per_second"] is not None]
-    # The best gamma of the two best (selection, budget) pairs, the first one's gammas
-    # either side, and the best of a drafter they left out.
+    # The two best (selection, budget) pairs, each at its best gamma and either side,
+    # and the best of a drafter they left out.
     pairs = {(p["drafter"], p["score"], p["window"], p["budget"]) for p in raced}
-    assert len(pairs) >= 2 and 2 <= len(raced) <= 5
+    assert 2 <= len(pairs) <= 3 and 2 <= len(raced) <= 7
     assert {p["drafter"] for p in raced} == {"vegas", "streaming"}
     assert profile["tuned"]["min_tokens"] in (32, 64, 128)
     assert [e["batch_size"] for e in profile["schedule"]] == [1]

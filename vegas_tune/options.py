@@ -37,9 +37,9 @@ class TuneOptions:
             "throughput predicted for every gamma below it (extended once where the best "
             "prediction lies at it).")
     candidates: int = _option(
-        4, "Best predicted (selection, budget) pairs, each at its best gamma, measured "
-           "against vanilla in interleaved rounds at each batch size (with the first one's "
-           "neighbouring gammas and the best of each drafter).")
+        3, "Best predicted (selection, budget) pairs measured against vanilla in "
+           "interleaved rounds at each batch size, each at its best predicted gamma and the "
+           "gammas either side (with the best of each drafter).")
     max_rounds: int = _option(8, "Measurement rounds per configuration, at most.")
     precision: float = _option(
         0.01, "The race ends when no configuration left can beat the leader by more than "

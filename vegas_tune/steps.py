@@ -8,9 +8,9 @@
    axis, that axis is extended once: the next budget out (twice the largest, half the
    smallest), or a longer probe gamma where the best gamma is the largest with known
    acceptance. No extension, no trials.
-3. ``race``: the best predicted gamma of the best predicted (selection, budget) curves
-   (``TuneOptions.candidates`` of them), the gammas either side of the first one's, and
-   each drafter's best, are measured with vanilla in interleaved rounds. After ``MIN_ROUNDS``
+3. ``race``: the best predicted (selection, budget) pairs (``TuneOptions.candidates`` of
+   them), each at its best predicted gamma and the gammas either side, and each
+   drafter's best, are measured with vanilla in interleaved rounds. After ``MIN_ROUNDS``
    each is judged by its throughput over the leader's, round by round: one that is
    surely slower drops out, and the race ends when one is left, when no one left can
    beat the leader by more than ``precision``, or after ``max_rounds``
@@ -344,21 +344,18 @@ class Steps:
     # ---- 3. race ----------------------------------------------------------------------
 
     def candidates(self, landscape: Landscape) -> list[Point]:
-        """The best gamma of each of the ``candidates`` best (selection, budget) curves,
-        the gammas either side of the first one's, then each drafter's best not among
-        them.
+        """Each of the ``candidates`` best (selection, budget) pairs at its best predicted
+        gamma and the gammas either side, then each drafter's best not among them.
 
-        Distinct curves, not the best points: near its best gamma a curve is flat and
-        predicted within about 2%, so the top points are mostly one curve at adjacent
-        gammas, while curves that differ in selection or budget by as much are known from
-        one sweep run each (SmolLM2 8k, batch 64, H100: the 4 best points, one curve at
-        gammas 9-12, left out the grid's best selection)."""
-        best_points = landscape.curve_bests()[: self.options.candidates]
-        chosen = list(best_points)
-        if best_points:
-            lead = best_points[0]
-            top = landscape.curves[lead.curve].top_gamma
-            chosen += [lead.with_gamma(g) for g in (lead.gamma - 1, lead.gamma + 1)
+        Pairs, not the best points: near its best gamma a pair's curve is flat, so the
+        best points are mostly one pair at adjacent gammas, while pairs that differ in
+        selection by 2% are known from one sweep run each (SmolLM2 8k, batch 64, H100:
+        the 4 best points, one pair at gammas 9-12, left out the grid's best pair). And
+        either side: the measured best gamma of a pair lay one from its prediction."""
+        chosen: list[Point] = []
+        for best in landscape.curve_bests()[: self.options.candidates]:
+            top = landscape.curves[best.curve].top_gamma
+            chosen += [best.with_gamma(g) for g in (best.gamma, best.gamma - 1, best.gamma + 1)
                        if 1 <= g <= top]
         for drafter in dict.fromkeys(s.drafter for s in landscape.search.selections):
             if not any(p.selection.drafter == drafter for p in chosen):
