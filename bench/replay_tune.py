@@ -1,10 +1,10 @@
 """Replay a finished tune's recorded measurements through the current cost model and race
 rule: no GPU, no new measurement.
 
-A tune's storage (an optuna journal) keeps every sweep and extend run (acceptance by
-position, step times, steady tokens) and every race round's throughput. For each batch
-size this rebuilds the cost model (``steps.Landscape``) from the sweep and extend runs
-as the code of today builds it, and prints
+A tune's storage (an optuna journal) keeps every sweep, extend and focus run
+(acceptance by position, step times, steady tokens) and every race round's throughput.
+For each batch size this rebuilds the cost model (``steps.Landscape``) from those runs as
+the code of today builds it, and prints
 
 - each raced configuration's prediction against what the race measured for it;
 - ``steps.race_verdict`` replayed round by round on the recorded race: the round at
@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from vegas_tune.options import TuneOptions  # noqa: E402
 from vegas_tune.space import Point, longest_prefix, selections  # noqa: E402
-from vegas_tune.steps import (EXTEND, RACE, SWEEP, VANILLA, Landscape, Search,  # noqa: E402
-                              Steps, race_verdict)
+from vegas_tune.steps import (EXTEND, FOCUS, RACE, SWEEP, VANILLA, Landscape,  # noqa: E402
+                              Search, Steps, race_verdict)
 from vegas_tune.studies import open_storage  # noqa: E402
 from vegas_tune.tuner import gamma_limit  # noqa: E402
 
@@ -89,7 +89,7 @@ def replay_size(batch: int, by_step: dict, fingerprint: dict,
     limit = gamma_limit(new)
     search = Search(batch, selections(options.target), options.budgets,
                     min(options.probe_gamma, limit), longest_prefix(ctx, new), limit, ctx)
-    runs = [t for step in (SWEEP, EXTEND) if (step, batch) in by_step
+    runs = [t for step in (SWEEP, EXTEND, FOCUS) if (step, batch) in by_step
             for t in complete(by_step[(step, batch)])]
     landscape = Landscape(runs, batch, search)
     race_trials = complete(by_step[(RACE, batch)]) if (RACE, batch) in by_step else []

@@ -41,6 +41,19 @@ def test_a_run_is_reproduced_at_its_own_gamma_and_two_runs_are_joined_by_a_line(
     assert curve.top_gamma == 12 and curve.acceptance == long.acceptance_by_position
 
 
+def test_acceptance_at_a_gamma_comes_from_the_nearest_run_that_drafted_that_far():
+    """Vegas's rates shift with gamma: below a shorter run, its rates are the estimate,
+    and each run's throughput is reproduced at its own gamma."""
+    long = run(8)
+    short = Run(5, run(5).iteration_seconds, DRAFT, (0.95, 0.9, 0.85, 0.8, 0.75))
+    curve = Curve([long, short], EXTRA)
+    assert curve.acceptance_at(5) == curve.acceptance_at(3) == short.acceptance_by_position
+    assert curve.acceptance_at(6) == curve.acceptance_at(8) == long.acceptance_by_position
+    for r in (long, short):
+        measured = 64 * (1 + sum(r.acceptance_by_position)) / r.iteration_seconds
+        assert curve.tokens_per_second(r.gamma, 64) == pytest.approx(measured)
+
+
 def test_throughput_is_batch_times_tokens_per_iteration_over_its_time():
     curve = Curve([run(8)], EXTRA)
     for gamma in (1, 4, 8):

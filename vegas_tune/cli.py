@@ -257,7 +257,7 @@ def tune(
     config: Optional[Path] = typer.Option(None, help="YAML file of option: value (flags and VEGAS_TUNE_<NAME> variables override it)."),
     debug: bool = typer.Option(False, help="Tracebacks and debug logs."),
 ) -> int:
-    """Tune (sweep, extend, race at each batch size) and write a profile, its trials,
+    """Tune (sweep, extend, focus, race at each batch size) and write a profile, its trials,
     plots and report."""
     from vegas_tune.pipeline import TuneSettings, run_tune
 

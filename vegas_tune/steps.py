@@ -1,4 +1,4 @@
-"""The tuning steps at one batch size: ``sweep``, ``extend`` and ``race``.
+"""The tuning steps at one batch size: ``sweep``, ``extend``, ``focus`` and ``race``.
 
 1. ``sweep``: vanilla once, then every (selection, budget) of the search once at the
    probe gamma, and one of them again at half the probe gamma (the short probe). Each run
@@ -8,7 +8,10 @@
    axis, that axis is extended once: the next budget out (twice the largest, half the
    smallest), or a longer probe gamma where the best gamma is the largest with known
    acceptance. No extension, no trials.
-3. ``race``: the best predicted (selection, budget) pairs (``TuneOptions.candidates`` of
+3. ``focus``: the best predicted pairs (``FOCUS_PAIRS``) are measured once at their
+   best predicted gamma: a pair's acceptance shifts with gamma, and pairs within a few
+   percent of each other are ranked by one sweep run each.
+4. ``race``: the best predicted (selection, budget) pairs (``TuneOptions.candidates`` of
    them), each at its best predicted gamma and the gammas either side, and each
    drafter's best, are measured with vanilla in interleaved rounds. After ``MIN_ROUNDS``
    each is judged by its throughput over the leader's, round by round: one that is
@@ -42,8 +45,12 @@ from vegas_tune.studies import StepFailed, Studies
 
 log = logging.getLogger("vegas_tune")
 
-SWEEP, EXTEND, RACE = "sweep", "extend", "race"
-STEPS = (SWEEP, EXTEND, RACE)
+SWEEP, EXTEND, FOCUS, RACE = "sweep", "extend", "focus", "race"
+STEPS = (SWEEP, EXTEND, FOCUS, RACE)
+# Pairs the focus step measures at their best predicted gamma. Pairs within 2% of each
+# other are ranked by one sweep run (about 1% noise) at a gamma whose acceptance is not
+# theirs: SmolLM2 8k at batch 64 on an H100, one sweep ranked the grid's best pair 7th.
+FOCUS_PAIRS = 8
 VANILLA = "vanilla"
 # Rounds before a configuration may drop out or the race stop for precision: fewer give
 # intervals too wide (t quantile 12.7 at two samples) to decide on.
@@ -169,7 +176,7 @@ class Search:
 
 
 class Landscape:
-    """The cost model at one batch size, from the runs of its sweep and extend steps."""
+    """The cost model at one batch size, from its sweep, extend and focus runs."""
 
     def __init__(self, trials: list, batch: int, search: Search):
         self.batch, self.search = batch, search
@@ -200,6 +207,11 @@ class Landscape:
     def ranked(self) -> list[Point]:
         """Every point, the fastest predicted first (ties: the smaller point)."""
         return sorted(self.points(), key=lambda p: (-self.predict(p), p))
+
+    def measured(self, point: Point) -> bool:
+        """Whether a run of ``point``'s pair at its gamma is in the model."""
+        curve = self.curves.get(point.curve)
+        return curve is not None and any(r.gamma == point.gamma for r in curve.runs)
 
     def curve_bests(self) -> list[Point]:
         """Each curve at its best predicted gamma, the fastest first."""
@@ -246,7 +258,7 @@ def _point_fields(point: Point, search: Search) -> dict:
 
 
 class Steps:
-    """The three steps at any batch size, on shared studies and measurements."""
+    """The steps at any batch size, on shared studies and measurements."""
 
     def __init__(self, studies: Studies, measuring: Measuring, options: TuneOptions):
         self.studies, self.measuring, self.options = studies, measuring, options
@@ -318,6 +330,17 @@ class Steps:
                              f"{best.budget} slots")
         return list(dict.fromkeys(points)), words
 
+    def landscape(self, search: Search, through: str) -> Landscape:
+        """The cost model from the finished runs of the steps up to ``through`` at this
+        size: never a later step's, which another worker may already be measuring, so
+        that every worker sees the same model after each step."""
+        steps = (SWEEP, EXTEND, FOCUS)
+        studies = [self.studies.existing(step, search.batch)
+                   for step in steps[: steps.index(through) + 1]]
+        runs = [t for study in studies if study is not None
+                for t in self.studies.complete(study)]
+        return Landscape(runs, search.batch, search)
+
     def extend(self, landscape: Landscape, search: Search
                ) -> tuple[Landscape, StepResult | None]:
         points, words = self.extension(landscape, search)
@@ -331,8 +354,7 @@ class Steps:
         failed = sorted({t.user_attrs["failed_reason"].split(":")[0]
                          for t in study.get_trials(deepcopy=False)
                          if "failed_reason" in t.user_attrs})
-        sweep = self.studies.complete(self._grid_study(SWEEP, search.batch))
-        extended = Landscape(sweep + done, search.batch, search)
+        extended = self.landscape(search, EXTEND)
         best = extended.best()
         notes = (f"the best predictions lay on an axis's edge: tried {'; '.join(words)}; "
                  f"{len(done)} of {len(points)} measured"
@@ -341,7 +363,30 @@ class Steps:
         return extended, StepResult(EXTEND, study.study_name, self.studies.finished(study),
                                     _point_fields(best, search), notes, batch_size=search.batch)
 
-    # ---- 3. race ----------------------------------------------------------------------
+    # ---- 3. focus ---------------------------------------------------------------------
+
+    def focus(self, landscape: Landscape, search: Search
+               ) -> tuple[Landscape, StepResult | None]:
+        """Measure each of the ``FOCUS_PAIRS`` best pairs once at its best predicted
+        gamma (unless a run there exists): its acceptance at that gamma, and a second
+        point of its time line."""
+        points = [p for p in landscape.curve_bests()[:FOCUS_PAIRS] if not landscape.measured(p)]
+        if not points:
+            return landscape, None
+        try:
+            self._measure_grid(FOCUS, search, [search.spec(p) for p in points])
+        except StepFailed:
+            return landscape, None  # every run failed (out of memory): the sweep's answer stands
+        focused = self.landscape(search, FOCUS)
+        study = self._grid_study(FOCUS, search.batch)
+        best = focused.best()
+        notes = (f"the {len(points)} best predicted (selection, budget) pairs not yet measured "
+                 f"at their best gamma, once each there; best predicted now: {best.words()} "
+                 f"({focused.predict(best):.1f} tok/s)")
+        return focused, StepResult(FOCUS, study.study_name, self.studies.finished(study),
+                                   _point_fields(best, search), notes, batch_size=search.batch)
+
+    # ---- 4. race ----------------------------------------------------------------------
 
     def candidates(self, landscape: Landscape) -> list[Point]:
         """Each of the ``candidates`` best (selection, budget) pairs at its best predicted

@@ -2,9 +2,10 @@
 
 A configuration is a drafter's selection rule (``vegas_tune.space``: the drafter, and for
 vegas its score and window share), a draft budget in KV slots, and gamma. Each batch size
-is tuned by three steps (``vegas_tune.steps``): ``sweep`` (every selection x budget once,
+is tuned by four steps (``vegas_tune.steps``): ``sweep`` (every selection x budget once,
 at the probe gamma), ``extend`` (an axis whose edge holds a best prediction, extended
-once) and ``race`` (the best predictions beside vanilla, in interleaved rounds). The pick
+once), ``focus`` (the best pairs once at their best predicted gamma) and ``race`` (the
+best predictions beside vanilla, in interleaved rounds). The pick
 is the configuration with the highest mean speedup in the race; its figures and the best
 streaming configuration's come from the same rounds.
 
@@ -143,8 +144,9 @@ class Tuner:
     def _tune_size(self, search: Search) -> tuple[dict, list[StepResult]]:
         landscape, sweep = self.steps.sweep(search)
         landscape, extend = self.steps.extend(landscape, search)
+        landscape, focus = self.steps.focus(landscape, search)
         race, summary = self.steps.race(landscape, search)
-        return race, [s for s in (sweep, extend, summary) if s is not None]
+        return race, [s for s in (sweep, extend, focus, summary) if s is not None]
 
     def run(self) -> TuneResult:
         """Every step at every size. When the budget runs out or Ctrl-C stops it, the
