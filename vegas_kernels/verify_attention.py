@@ -52,98 +52,24 @@ import math
 
 import torch
 
+from vegas_kernels import launch
+
 try:
     import triton
     import triton.language as tl
 except ImportError:  # CPU-only installs: the reference path is used
     triton = None
 
-BLOCK_N = 64  # key slots per tile
-# Heads this narrow (SmolLM2's 64) take tiles of NARROW_BLOCK_N slots: a tile of the same
-# bytes as a 64-slot tile of head dim 128; at 64 slots the split kernel ran 1.1-1.3x the
-# K+V floor at batch 64-256 (docs/results/decode-configs-smollm2-h200.md).
-NARROW_HEAD_DIM = 64
-NARROW_BLOCK_N = 128
 # The window of a layer without one: wider than any cache, small enough that position
 # arithmetic in 32 bits never overflows.
 NO_WINDOW = 1 << 30
-MIN_BLOCK_M = 16  # tl.dot needs at least 16 rows
-# Tiles this tall (the first that spreads its rows over warps) sum their fused scores by
-# a dot with the weighted query sum rather than by a column sum of the tile.
-DOT_SUM_ROWS = 64
-MIN_HEAD_DIM = 16  # and a reduction of at least 16
-# Split-kernel programs one SM runs at once (by shared memory, at BLOCK_N 64, head dim
-# 128): the split count fills whole waves of them (docs/results/decode-configs-h200.md).
-RESIDENT_PER_SM = 2
-# A last wave of programs filled below this share leaves SMs idle while it runs: the split
-# count grows until the last wave is filled this well, within MAX_SPLIT_WAVES waves. At
-# SmolLM2's 3 KV heads one split left it 73% full at batch 64 and 128; 4 and 2 splits
-# fill 97%, and a 7-row verify with fused scores ran 16-21% faster (H200,
-# docs/results/verify-splits-smollm2-h200.md).
-MIN_LAST_WAVE_FILL = 0.9
-MAX_SPLIT_WAVES = 4
-SPLIT_WARPS = 4  # launch options of the split kernels (Triton's defaults)
-SPLIT_STAGES = 3
-# Head dims above this (Gemma3's 256) pipeline two K/V tiles, not three: three 64 x 256
-# bf16 K and V tiles take 192 KiB of shared memory, near an H200 SM's 227 KiB.
-WIDE_HEAD_DIM = 128
-
-
-def split_stages(d: int) -> int:
-    """Pipeline stages of the split kernels for head dim ``d``."""
-    return SPLIT_STAGES if d <= WIDE_HEAD_DIM else SPLIT_STAGES - 1
-
-
-def tile_slots(d: int) -> int:
-    """Key slots per tile of the verify/decode split kernel for head dim ``d``."""
-    return NARROW_BLOCK_N if d <= NARROW_HEAD_DIM else BLOCK_N
-
-
-MERGE_MAX_LANES = 128  # splits a merge program reads at once (independent loads in flight)
-MERGE_TILE = 4096  # elements of a merge program's [lanes, rows, dims] running sums
-MERGE_MIN_DIMS = 16  # narrowest slice of the head dim one merge program takes
+MIN_HEAD_DIM = 16  # tl.dot needs a reduction of at least 16
 
 
 def supported(q: torch.Tensor) -> bool:
     """Head dims the kernels handle (a power of two of at least 16)."""
     d = q.shape[-1]
     return d >= MIN_HEAD_DIM and d & (d - 1) == 0
-
-
-def split_count(programs_per_split: int, tiles: int, sms: int) -> int:
-    """Splits of the key range per (sequence, KV head), for ``programs_per_split`` (B x H_kv)
-    programs per split, ``tiles`` key tiles under the static bound and ``sms`` SMs.
-
-    At least as many as make one whole wave of RESIDENT_PER_SM programs per SM; more
-    while the programs would fill their last wave less than MIN_LAST_WAVE_FILL and stay
-    within MAX_SPLIT_WAVES waves (the best-filled count if none gets there). Never more
-    than the tiles."""
-    wave = RESIDENT_PER_SM * sms
-    programs = max(programs_per_split, 1)
-    one_wave = max(1, wave // programs)
-    best, best_fill = one_wave, 0.0
-    for splits in range(one_wave, max(one_wave, MAX_SPLIT_WAVES * wave // programs) + 1):
-        launched = programs * splits
-        fill = launched / (math.ceil(launched / wave) * wave)
-        if fill > best_fill:
-            best, best_fill = splits, fill
-        if fill >= MIN_LAST_WAVE_FILL:
-            break
-    return max(1, min(best, tiles))
-
-
-def splits_for(device: torch.device, programs_per_split: int, bound: int,
-               block_n: int = BLOCK_N) -> int:
-    """``split_count`` on ``device``'s SMs (one on a CPU) for a key bound of ``bound``
-    slots in ``block_n``-slot tiles."""
-    return split_count(programs_per_split, math.ceil(bound / block_n), sm_count(device))
-
-
-def sm_count(device: torch.device) -> int:
-    """SMs of ``device`` (one for a CPU, where the interpreter runs the kernels)."""
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def reference_verify_attention(q, k, v, positions, kv_len, row_weights=None, window=None,
@@ -179,7 +105,7 @@ if triton is not None:
     # float16's largest finite value is 65504: kept edge logits are clamped inside it
     # (a logit that large makes its row's softmax one-hot either way).
     EDGE_LOGIT_LIMIT = tl.constexpr(60000.0)
-    MIN_SUM_M = tl.constexpr(MIN_BLOCK_M)  # rows of q_sum: tl.dot needs 16
+    MIN_SUM_M = tl.constexpr(launch.MIN_BLOCK_M)  # rows of q_sum: tl.dot needs 16
 
     @triton.jit
     def _scaled_scores(a, b, sm_scale, IEEE: tl.constexpr):
@@ -532,11 +458,6 @@ def edge_rows(t: int) -> int:
     return 2 if t > 1 else 1
 
 
-def block_rows(rows: int) -> int:
-    """Tile height for ``rows`` packed query rows."""
-    return max(MIN_BLOCK_M, triton.next_power_of_2(rows))
-
-
 def split_buffers(b: int, h_kv: int, splits: int, rows: int, d: int, device):
     """Per-split partials: acc [B * H_kv, splits, rows, D], row maxima and sums
     [B * H_kv, splits, rows] (float32), and the live split count [B * H_kv] (int32).
@@ -547,16 +468,6 @@ def split_buffers(b: int, h_kv: int, splits: int, rows: int, d: int, device):
     return acc, maxes, torch.empty_like(maxes), live
 
 
-def merge_tile(splits: int, rows: int, d: int) -> tuple[int, int, int]:
-    """-> (lanes, dims, rows) of a merge block: a lane per split (up to the cap), then as
-    much of the head dim and as many rows as keep the lanes x rows x dims tile within
-    budget."""
-    lanes = min(triton.next_power_of_2(splits), MERGE_MAX_LANES)
-    dims = min(d, max(MERGE_MIN_DIMS, MERGE_TILE // lanes))
-    block = max(1, min(triton.next_power_of_2(rows), MERGE_TILE // (lanes * dims)))
-    return lanes, dims, block
-
-
 def merge_partials(partials, out: torch.Tensor, lse: torch.Tensor | None, h_kv: int,
                    g: int, t: int, sinks: torch.Tensor | None = None) -> None:
     """Merge ``split_buffers`` into out [B, T, H, D] and, when given, lse [B, T, H];
@@ -564,7 +475,7 @@ def merge_partials(partials, out: torch.Tensor, lse: torch.Tensor | None, h_kv: 
     own: more, smaller programs than a split kernel's last program has."""
     acc, maxes, sums, live = partials
     bh, splits, rows, d = acc.shape
-    lanes, dims, block = merge_tile(splits, rows, d)
+    lanes, dims, block = launch.merge_tile(splits, rows, d)
     lse_arg = lse if lse is not None else out  # unused placeholder pointer
     lse_strides = lse.stride() if lse is not None else (0, 0, 0)
     sinks_arg = sinks.float().contiguous() if sinks is not None else maxes  # placeholder
@@ -575,17 +486,6 @@ def merge_partials(partials, out: torch.Tensor, lse: torch.Tensor | None, h_kv: 
         H_KV=h_kv, G=g, T=t, D=d, LANES=lanes, ROWS=block, DIMS=dims,
         STORE_LSE=lse is not None, HAS_SINKS=sinks is not None,
     )
-
-
-def merges_in_kernel(splits: int, rows: int, d: int) -> bool:
-    """Whether a split kernel's last programs merge its partials: when one merge block
-    (``merge_tile``) holds all of a (sequence, KV head)'s splits, rows and head dims, so
-    that the last program merges in one memory round trip. Larger merges (many splits at
-    a small batch, or many rows) keep a merge launch of their own, whose programs share
-    the work: merged block by block in the last program, a Qwen3-8B draft step at batch 1
-    / 64k (33 splits) took 5.19 ms against 4.70 (H200)."""
-    lanes, dims, block = merge_tile(splits, rows, d)
-    return lanes >= splits and dims == d and block >= rows
 
 
 _counters: dict[torch.device, torch.Tensor] = {}
@@ -630,7 +530,7 @@ def merge_args(partials, out: torch.Tensor, lse: torch.Tensor | None, counters,
     else:
         live = partials[3]
         _, splits, rows, d = partials[0].shape
-        lanes, dims, block = merge_tile(splits, rows, d)
+        lanes, dims, block = launch.merge_tile(splits, rows, d)
     lse_arg = lse if lse is not None else out  # placeholder pointer
     lse_strides = lse.stride() if lse is not None else (0, 0, 0)
     sinks_arg = sinks.float().contiguous() if sinks is not None else out  # placeholder
@@ -681,8 +581,8 @@ def verify_attention(q, k, v, positions, kv_len: int, row_weights=None, *, score
     dev = q.device
     # With a window, a sequence's rows see at most window + T - 1 slots.
     bound = kv_len if window is None else min(kv_len, window + t - 1)
-    block_n = tile_slots(d)
-    splits = splits or splits_for(dev, b * h_kv, bound, block_n)
+    block_n = launch.tile_slots(d)
+    splits = splits or launch.splits_for(dev, b * h_kv, bound, block_n)
     partials = split_buffers(b, h_kv, splits, g * t, d, dev)
     acc, maxes, sums, live = partials
     collect = row_weights is not None
@@ -697,7 +597,7 @@ def verify_attention(q, k, v, positions, kv_len: int, row_weights=None, *, score
              if edge_logits else maxes)  # placeholder pointer
     out = torch.empty(b, t, h, d, device=dev, dtype=q.dtype)
     lse = torch.empty(b, t, h, device=dev, dtype=torch.float32)
-    counters = (split_counters(dev, b * h_kv) if merges_in_kernel(splits, g * t, d)
+    counters = (split_counters(dev, b * h_kv) if launch.merges_in_kernel(splits, g * t, d)
                 else None)
     merge, merge_flags = merge_args(partials, out, lse, counters, sinks)
     _verify_split_kernel[(b * h_kv, splits)](
@@ -708,11 +608,11 @@ def verify_attention(q, k, v, positions, kv_len: int, row_weights=None, *, score
         acc.stride(0), acc.stride(1), acc.stride(2), maxes.stride(0), maxes.stride(1),
         scores.stride(0), scores.stride(1), edges.stride(0), edges.stride(1), edges.stride(2),
         kv_len, NO_WINDOW if window is None else window, splits, 1.0 / math.sqrt(d),
-        H_KV=h_kv, G=g, T=t, D=d, BLOCK_M=block_rows(g * t), BLOCK_N=block_n,
-        COLLECT=collect, DOT_SUM=block_rows(g * t) >= DOT_SUM_ROWS,
-        SIDE_M=block_rows(edge_rows(t) * g if edge_logits else 1),
+        H_KV=h_kv, G=g, T=t, D=d, BLOCK_M=launch.block_rows(g * t), BLOCK_N=block_n,
+        COLLECT=collect, DOT_SUM=launch.block_rows(g * t) >= launch.DOT_SUM_ROWS,
+        SIDE_M=launch.block_rows(edge_rows(t) * g if edge_logits else 1),
         KEEP_EDGES=edge_logits, WINDOWED=window is not None, IEEE=q.dtype == torch.float32,
-        **merge_flags, num_warps=SPLIT_WARPS, num_stages=split_stages(d),
+        **merge_flags, num_warps=launch.SPLIT_WARPS, num_stages=launch.split_stages(d),
     )
     if counters is None:
         merge_partials(partials, out, lse, h_kv, g, t, sinks)
