@@ -25,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import vegas_kernels.launch as launch  # noqa: E402
+import vegas_kernels.split_merge as split_merge  # noqa: E402
 import vegas_kernels.verify_attention as va  # noqa: E402
 from bench.kernels import SHAPES, copy_bandwidth, median_us  # noqa: E402
 
@@ -52,7 +53,8 @@ def checked(q, k, v, pos, ctx) -> float:
 def merge_only_us(batch, kv_heads, heads, dim, rows, splits, max_lanes=None) -> float:
     """The merge kernel on partials of the split count a decode launch would use."""
     g = heads // kv_heads
-    acc, maxes, sums, live = va.split_buffers(batch, kv_heads, splits, g * rows, dim, "cuda")
+    acc, maxes, sums, live = split_merge.split_buffers(batch, kv_heads, splits, g * rows, dim,
+                                                       "cuda")
     acc.normal_()
     maxes.normal_()
     sums.uniform_(1, 2)
@@ -60,8 +62,8 @@ def merge_only_us(batch, kv_heads, heads, dim, rows, splits, max_lanes=None) -> 
     out = torch.empty(batch, rows, heads, dim, device="cuda", dtype=torch.bfloat16)
     lse = torch.empty(batch, rows, heads, device="cuda")
     with launch_constants(MERGE_MAX_LANES=max_lanes or launch.MERGE_MAX_LANES):
-        return median_us(lambda: va.merge_partials((acc, maxes, sums, live), out, lse,
-                                                   kv_heads, g, rows))
+        return median_us(lambda: split_merge.merge_partials((acc, maxes, sums, live), out,
+                                                            lse, kv_heads, g, rows))
 
 
 def main() -> None:

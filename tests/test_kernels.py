@@ -22,7 +22,8 @@ from vegas_kernels.collect_scores import (collect_scores, edge_weight_scores,  #
 import vegas_kernels.verify_attention as verify_module  # noqa: E402
 import vegas_kernels.sparse_attention as sparse_module  # noqa: E402
 from vegas_kernels.launch import BLOCK_N, COLLECT_TILES  # noqa: E402
-from vegas_kernels.verify_attention import merge_partials, split_buffers  # noqa: E402
+import vegas_kernels.split_merge as split_merge  # noqa: E402
+from vegas_kernels.split_merge import merge_partials, split_buffers  # noqa: E402
 from vegas_kernels.select_slots import (reference_topk_slots, reserved_slots,  # noqa: E402
                                         topk_slots)
 from vegas_kernels.sparse_attention import (reference_sparse_attention,  # noqa: E402
@@ -278,8 +279,8 @@ def test_split_kernels_merge_in_their_last_program(monkeypatch, kernel):
                                           indices, counts, tail_start, sinks.double()),)
     assert launch.merges_in_kernel(splits, q.shape[1] * heads // kv_heads, dim)
     in_kernel = run()
-    counters = verify_module._counters[torch.device(DEVICE) if DEVICE == "cpu"
-                                       else torch.device("cuda", torch.cuda.current_device())]
+    counters = split_merge._counters[torch.device(DEVICE) if DEVICE == "cpu"
+                                     else torch.device("cuda", torch.cuda.current_device())]
     assert counters.eq(0).all()
     monkeypatch.setattr(verify_module, "split_counters", lambda *a: None)
     if kernel == "sparse":

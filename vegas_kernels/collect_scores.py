@@ -37,17 +37,17 @@ import math
 import torch
 
 from vegas_kernels import launch
-from vegas_kernels.verify_attention import edge_rows, scores_home, supported
+from vegas_kernels.verify_attention import edge_rows, scores_home
 
 try:
     import triton
     import triton.language as tl
 
-    from vegas_kernels.verify_attention import _scaled_scores
+    from vegas_kernels.split_merge import scaled_scores
 except ImportError:  # CPU-only installs: the reference path is used
     triton = None
 
-__all__ = ["collect_scores", "edge_weight_scores", "reference_collect_scores", "supported"]
+__all__ = ["collect_scores", "edge_weight_scores", "reference_collect_scores"]
 
 
 def reference_collect_scores(q, k, positions, row_weights, kv_len, lse=None):
@@ -84,7 +84,7 @@ if triton is not None:
             k = tl.load(k_ptrs, mask=in_range[:, None], other=0.0)
         else:
             k = tl.load(k_ptrs)
-        x = _scaled_scores(k, q, sm_scale, IEEE)  # [BLOCK_N, BLOCK_M]
+        x = scaled_scores(k, q, sm_scale, IEEE)  # [BLOCK_N, BLOCK_M]
         if WEIGHT_MODE:
             x = tl.exp(x - row_lse[None, :])
         visible = (slots[:, None] <= pos[None, :]) & row_ok[None, :]

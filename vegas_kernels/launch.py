@@ -146,7 +146,7 @@ def sparse_tiling(device: torch.device, programs_per_split: int, max_keys: int
 
 
 # ---------------------------------------------------------------------------------------
-# Merging the splits (vegas_kernels.split_merge)
+# Merging the splits (split_merge)
 # ---------------------------------------------------------------------------------------
 
 # Splits a merge program reads at once (independent loads in flight): with 16 lanes the
@@ -356,11 +356,11 @@ CHOICES: tuple[LaunchChoice, ...] = (
     LaunchChoice("sparse_attention", ("sparse_stages", "SPARSE_NARROW_STAGES"),
                  "2 stages at head dims up to 64, else as the verify kernel",
                  "step-targets-h200.md"),
-    LaunchChoice("verify_attention, sparse_attention",
+    LaunchChoice("split_merge",
                  ("merge_tile", "MERGE_MAX_LANES", "MERGE_TILE", "MERGE_MIN_DIMS"),
                  "a lane per split up to 128, then head dims and rows within 4096 elements",
                  "decode-configs-h200.md"),
-    LaunchChoice("verify_attention, sparse_attention", ("merges_in_kernel",),
+    LaunchChoice("split_merge", ("merges_in_kernel",),
                  "the split kernel's last program merges when one merge block holds every "
                  "split, row and dim; else a merge launch", "step-targets-h200.md"),
     LaunchChoice("collect_scores", ("COLLECT_TILES", "EDGE_BLOCK"),

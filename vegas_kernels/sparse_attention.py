@@ -11,10 +11,11 @@ As in ``vegas_kernels.verify_attention``, lengths live on the device only: the g
 from the static bound ``max_keys`` and a split count, and each program cuts its own
 slice of ``total = counts[b] + max(positions[b] - tail_start[b] + 1, 0)`` keys, so one
 launch (a captured CUDA graph) serves any key count up to the bound. The splits are
-merged by log-sum-exp straight into out [B, 1, H, D], by the last program of each
-(sequence, KV head) where one merge block holds them (``merges_in_kernel``), else by the
-shared merge kernel; a single split writes out itself. Tiles hold BLOCK_N slots, half
-that when the lists are short and the batch small (``launch.sparse_tiling``).
+merged by log-sum-exp straight into out [B, 1, H, D] (``vegas_kernels.split_merge``), by
+the last program of each (sequence, KV head) where one merge block holds them
+(``launch.merges_in_kernel``), else by the merge launch; a single split writes out
+itself. Tiles hold ``launch.BLOCK_N`` slots, half that when the lists are short and the
+batch small (``launch.sparse_tiling``).
 
 ``reference_sparse_attention`` is the PyTorch ground truth.
 """
@@ -26,15 +27,14 @@ import math
 import torch
 
 from vegas_kernels import launch
-from vegas_kernels.verify_attention import (merge_args, merge_partials, split_buffers,
-                                            split_counters)
+from vegas_kernels.split_merge import merge_args, merge_partials, split_buffers, split_counters
 
 try:
     import triton
     import triton.language as tl
 
-    from vegas_kernels.verify_attention import (_merge_if_last, _scaled_scores, _softmax_step,
-                                                _split_range, _store_partials, _store_rows)
+    from vegas_kernels.split_merge import (merge_if_last, scaled_scores, softmax_step,
+                                           split_range, store_partials, store_rows)
 except ImportError:
     triton = None
 
@@ -94,7 +94,7 @@ if triton is not None:
         tail0 = tl.load(TAIL + b * st_b).to(tl.int32)
         pos = tl.load(POS + b * sp_b).to(tl.int32)
         total = count + tl.maximum(pos - tail0 + 1, 0)  # selected slots, then the tail
-        start, end, live = _split_range(0, total, split, splits, BLOCK_N)
+        start, end, live = split_range(0, total, split, splits, BLOCK_N)
         idx_base = IDX + b * si_b + (kvh * si_g if PER_HEAD else 0)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -112,23 +112,23 @@ if triton is not None:
             after = j + BLOCK_N
             listed = tl.load(idx_base + after, mask=(after < end) & (after < count),
                              other=0).to(tl.int32)
-            s = _scaled_scores(q, k, sm_scale, IEEE)
+            s = scaled_scores(q, k, sm_scale, IEEE)
             s = tl.where(in_range[None, :] & row_ok[:, None], s, float("-inf"))
             vt = tl.load(v_head + slot[:, None] * sv_s + dims[None, :], mask=in_range[:, None],
                          other=0.0)
-            m_i, l_i, acc = _softmax_step(s, vt, m_i, l_i, acc, IEEE)
+            m_i, l_i, acc = softmax_step(s, vt, m_i, l_i, acc, IEEE)
         if SINGLE:  # the only split: finish the rows here, no merge launch
-            _store_rows(OUT, OUT, SINKS, b, kvh * G + rows, rows * 0, row_ok, dims, acc, m_i,
-                        l_i, so_b, 0, so_h, 0, 0, 0, row_ok, False, HAS_SINKS)
+            store_rows(OUT, OUT, SINKS, b, kvh * G + rows, rows * 0, row_ok, dims, acc, m_i,
+                       l_i, so_b, 0, so_h, 0, 0, 0, row_ok, False, HAS_SINKS)
         else:
-            _store_partials(ACC, MAX, SUM, LIVE, bh, split, bh * sa_bh + split * sa_sp,
-                            bh * sm_bh + split * sm_sp, sa_m, acc, m_i, l_i, live, start, end,
-                            G, BLOCK_M, D)
+            store_partials(ACC, MAX, SUM, LIVE, bh, split, bh * sa_bh + split * sa_sp,
+                           bh * sm_bh + split * sm_sp, sa_m, acc, m_i, l_i, live, start, end,
+                           G, BLOCK_M, D)
             if MERGE:
-                _merge_if_last(COUNT, ACC, MAX, SUM, SINKS, OUT, LSE, bh, splits, live,
-                               sa_bh, sa_sp, sa_m, sm_bh, sm_sp, so_b, so_t, so_h, sl_b, sl_t,
-                               sl_h, H_KV, G, 1, LANES, MERGE_ROWS, MERGE_DIMS, STORE_LSE,
-                               HAS_SINKS)
+                merge_if_last(COUNT, ACC, MAX, SUM, SINKS, OUT, LSE, bh, splits, live,
+                              sa_bh, sa_sp, sa_m, sm_bh, sm_sp, so_b, so_t, so_h, sl_b, sl_t,
+                              sl_h, H_KV, G, 1, LANES, MERGE_ROWS, MERGE_DIMS, STORE_LSE,
+                              HAS_SINKS)
 
 
 def sparse_attention(q, k, v, positions, indices, counts, tail_start, max_keys: int, *,
