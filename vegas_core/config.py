@@ -410,10 +410,14 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+# A model spec naming a preset shape with random weights: ``dummy:<preset>``.
+DUMMY_PREFIX = "dummy:"
+
+
 def preset_config(preset: str) -> ModelConfig:
     """The config of ``dummy:<preset>``."""
     if preset not in PRESETS:
         raise VegasError(
             f"unknown dummy preset '{preset}'; choose one of: {', '.join(sorted(PRESETS))}"
         )
-    return ModelConfig(name=f"dummy:{preset}", **PRESETS[preset])
+    return ModelConfig(name=f"{DUMMY_PREFIX}{preset}", **PRESETS[preset])

@@ -741,7 +741,7 @@ def doctor(debug: bool = typer.Option(False, help="Show tracebacks.")) -> int:
     """Check the GPU, torch, triton, kernels, memory and the embedded model."""
     import torch
 
-    from vegas_core.attention import attention_backend
+    from vegas_core.backend import attention_backend
     from vegas_core.loading.embedded import DEFAULT_MODEL, embedded_path
     from vegas_tune.hardware import fingerprint
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from vegas_core import __version__ as engine_version
 from vegas_core import load_model
-from vegas_core.attention import attention_backend
+from vegas_core.backend import attention_backend
 from vegas_core.errors import VegasError
 from vegas_core.loading.embedded import HUB_IDS
 from vegas_tune.datasets import dataset_fingerprint, load_prompts
