@@ -166,11 +166,6 @@ class ModelConfig:
             return list(range(self.num_layers))
         return [i for i in range(self.num_layers) if i not in window.layers]
 
-    @property
-    def group_size(self) -> int:
-        """Query heads per KV head (GQA)."""
-        return self.num_heads // self.num_kv_heads
-
     def num_parameters(self) -> int:
         """Parameter count implied by the shape (embeddings counted once if tied)."""
         d, h, kv, hd = self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
