@@ -5,8 +5,8 @@ which the split count fills; tile width BLOCK_N; warps; pipeline stages; ``--spl
 one layer of a real shape, timing decode (1 row) and verify (``--verify-rows``) attention,
 plain and with Collect-2-Query fused logit scores, against the K+V bytes /
 copy-bandwidth floor of the same run, and the split-merge kernel alone. Each configuration is first
-checked against the float32 reference. Module constants are patched for the sweep only;
-the winner is what ``vegas_kernels/verify_attention.py`` should ship.
+checked against the float32 reference. The rules of ``vegas_kernels/launch.py`` are
+patched for the sweep only; the winner is what that module should ship.
 
     python bench/decode_configs.py --out docs/results/decode-configs-h200.md
 """
@@ -24,22 +24,24 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import vegas_kernels.launch as launch  # noqa: E402
+import vegas_kernels.split_merge as split_merge  # noqa: E402
 import vegas_kernels.verify_attention as va  # noqa: E402
 from bench.kernels import SHAPES, copy_bandwidth, median_us  # noqa: E402
 
 
 @contextlib.contextmanager
 def launch_constants(**constants):
-    """``vegas_kernels.verify_attention``'s module constants (or functions) set for the block,
-    then restored (also when the block fails)."""
-    saved = {name: getattr(va, name) for name in constants}
+    """``vegas_kernels.launch``'s rules (constants or functions) set for the block, then
+    restored (also when the block fails)."""
+    saved = {name: getattr(launch, name) for name in constants}
     for name, value in constants.items():
-        setattr(va, name, value)
+        setattr(launch, name, value)
     try:
         yield
     finally:
         for name, value in saved.items():
-            setattr(va, name, value)
+            setattr(launch, name, value)
 
 
 def checked(q, k, v, pos, ctx) -> float:
@@ -51,16 +53,17 @@ def checked(q, k, v, pos, ctx) -> float:
 def merge_only_us(batch, kv_heads, heads, dim, rows, splits, max_lanes=None) -> float:
     """The merge kernel on partials of the split count a decode launch would use."""
     g = heads // kv_heads
-    acc, maxes, sums, live = va.split_buffers(batch, kv_heads, splits, g * rows, dim, "cuda")
+    acc, maxes, sums, live = split_merge.split_buffers(batch, kv_heads, splits, g * rows, dim,
+                                                       "cuda")
     acc.normal_()
     maxes.normal_()
     sums.uniform_(1, 2)
     live.fill_(splits)
     out = torch.empty(batch, rows, heads, dim, device="cuda", dtype=torch.bfloat16)
     lse = torch.empty(batch, rows, heads, device="cuda")
-    with launch_constants(MERGE_MAX_LANES=max_lanes or va.MERGE_MAX_LANES):
-        return median_us(lambda: va.merge_partials((acc, maxes, sums, live), out, lse,
-                                                   kv_heads, g, rows))
+    with launch_constants(MERGE_MAX_LANES=max_lanes or launch.MERGE_MAX_LANES):
+        return median_us(lambda: split_merge.merge_partials((acc, maxes, sums, live), out,
+                                                            lse, kv_heads, g, rows))
 
 
 def main() -> None:
@@ -83,7 +86,8 @@ def main() -> None:
 
     heads, kv_heads, dim = SHAPES[args.shape]
     bandwidth = copy_bandwidth()
-    shipped = (va.RESIDENT_PER_SM, va.tile_slots(dim), va.SPLIT_WARPS, va.split_stages(dim))
+    shipped = (launch.RESIDENT_PER_SM, launch.tile_slots(dim), launch.SPLIT_WARPS,
+               launch.split_stages(dim))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     lines = [
@@ -128,7 +132,8 @@ def main() -> None:
             row = f"| {ctx} | {batch} | {resident} | {bn} | {warps} | {stages} |"
             with launch_constants(RESIDENT_PER_SM=resident, SPLIT_WARPS=warps,
                                   SPLIT_STAGES=stages, tile_slots=lambda d, bn=bn: bn):
-                splits = fixed or va.splits_for(torch.device("cuda"), batch * kv_heads, ctx, bn)
+                splits = fixed or launch.splits_for(torch.device("cuda"), batch * kv_heads,
+                                                    ctx, bn)
                 try:
                     err = checked(q1[:2], k[:2, :, :4096], v[:2, :, :4096],
                                   pos1[:2] - ctx + 4096, 4096)
@@ -153,8 +158,8 @@ def main() -> None:
         if best is not None:
             lines.append(f"| {ctx} | {batch} | **best** {best[1:]} | | | | | "
                          f"**{best[0]:.1f}** | **{best[0] / floor_us:.2f}** | | | | | |")
-        splits = va.splits_for(torch.device("cuda"), batch * kv_heads, ctx,
-                               va.tile_slots(dim))  # shipped
+        splits = launch.splits_for(torch.device("cuda"), batch * kv_heads, ctx,
+                                   launch.tile_slots(dim))  # shipped
         merges = ", ".join(
             f"{lanes} lanes {merge_only_us(batch, kv_heads, heads, dim, 1, splits, lanes):.1f}"
             for lanes in args.merge_lanes)

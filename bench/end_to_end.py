@@ -57,7 +57,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.acceptance import hardware, with_ext, write_atomic  # noqa: E402
 from vegas_core import SpecConfig, VegasError, generate, load_model  # noqa: E402
-from vegas_core.attention import AttentionMeta, attention_backend  # noqa: E402
+from vegas_core.attention import AttentionMeta  # noqa: E402
+from vegas_core.backend import attention_backend  # noqa: E402
 from vegas_core.prefill import prefill  # noqa: E402
 from vegas_core.spec_config import COLLECT, DRAFTERS, GRANULARITIES  # noqa: E402
 from vegas_tune.datasets import EMBEDDED_DATASETS, load_prompts  # noqa: E402

@@ -30,8 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.acceptance import write_atomic  # noqa: E402
 from bench.kernels import calls_median_us, copy_bandwidth  # noqa: E402
 from vegas_core.config import preset_config  # noqa: E402
-from vegas_kernels.gemv import (GemvConfig, config_for, gemv, gemv_silu_mul,  # noqa: E402
-                                reference_gemv, reference_gemv_silu_mul)
+from vegas_kernels.gemv import (gemv, gemv_silu_mul, reference_gemv,  # noqa: E402
+                                reference_gemv_silu_mul)
+from vegas_kernels.launch import GemvConfig, gemv_config  # noqa: E402
 from vegas_kernels.layer_ops import silu_mul  # noqa: E402
 
 # Weights cycled through per graph: at least this many bytes, several times the H200's
@@ -114,7 +115,7 @@ def main() -> None:
                   "--- | --- | --- |"]
         for name, (n, k, silu) in projections(model).items():
             for rows in args.rows:
-                configs = SWEEP if args.sweep else [config_for(n // 2 if silu else n, k)]
+                configs = SWEEP if args.sweep else [gemv_config(n // 2 if silu else n, k)]
                 fitting = []
                 for c in configs:
                     try:

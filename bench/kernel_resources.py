@@ -46,6 +46,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from bench.acceptance import with_ext, write_atomic  # noqa: E402
 from bench.kernels import SHAPES  # noqa: E402  (heads, KV heads, head dim)
+from vegas_kernels import launch as launch_rules  # noqa: E402
 
 # The H200's streaming multiprocessors: the split count (one wave of programs) depends on
 # it, and a split count of 1 is specialised into the kernel.
@@ -125,14 +126,16 @@ def compile_split_kernel(module, shape, batch: int, rows: int, ctx: int, fused: 
     k = torch.zeros(batch, h_kv, ctx, d, dtype=torch.bfloat16)
     positions = (ctx - rows + torch.arange(rows)).expand(batch, rows).contiguous()
     weights = torch.zeros(batch, rows) if fused else None
-    block_n = module.tile_slots(d)
+    # A module from before vegas_kernels.launch holds its own rules.
+    rules = module if hasattr(module, "tile_slots") else launch_rules
+    block_n = rules.tile_slots(d)
     # splits_for's rule, with the target's SM count rather than a CUDA device's (a module
     # from before split_count: its one-wave rule).
     tiles = -(-ctx // block_n)
-    if hasattr(module, "split_count"):
-        splits = module.split_count(batch * h_kv, tiles, sms)
+    if hasattr(rules, "split_count"):
+        splits = rules.split_count(batch * h_kv, tiles, sms)
     else:
-        splits = max(1, min(module.RESIDENT_PER_SM * sms // (batch * h_kv), tiles))
+        splits = max(1, min(rules.RESIDENT_PER_SM * sms // (batch * h_kv), tiles))
     captured = []
 
     def keep(*, fn, compile, **_):

@@ -16,11 +16,14 @@ import torch
 
 triton = pytest.importorskip("triton", reason="Triton is optional on CPU-only installs")
 
-from vegas_kernels.collect_scores import (COLLECT_TILES, collect_scores,  # noqa: E402
-                                          edge_weight_scores, reference_collect_scores)
+from vegas_kernels import launch  # noqa: E402
+from vegas_kernels.collect_scores import (collect_scores, edge_weight_scores,  # noqa: E402
+                                          reference_collect_scores)
 import vegas_kernels.verify_attention as verify_module  # noqa: E402
 import vegas_kernels.sparse_attention as sparse_module  # noqa: E402
-from vegas_kernels.verify_attention import BLOCK_N, merge_partials, split_buffers  # noqa: E402
+from vegas_kernels.launch import BLOCK_N, COLLECT_TILES  # noqa: E402
+import vegas_kernels.split_merge as split_merge  # noqa: E402
+from vegas_kernels.split_merge import merge_partials, split_buffers  # noqa: E402
 from vegas_kernels.select_slots import (reference_topk_slots, reserved_slots,  # noqa: E402
                                         topk_slots)
 from vegas_kernels.sparse_attention import (reference_sparse_attention,  # noqa: E402
@@ -215,45 +218,13 @@ def test_reference_sinks_are_a_slot_with_no_value():
     torch.testing.assert_close(lse, logits.logsumexp(-1).permute(0, 2, 1))
 
 
-H200_SMS = 132
-
-
-def test_split_count_fills_the_last_wave_of_programs():
-    """On the H200 a wave is 264 programs. SmolLM2's 3 KV heads leave one split's last
-    wave 73% full at batch 64 and 128: 4 and 2 splits fill 97%. Shapes that filled their
-    wave keep the one-wave count."""
-    count = verify_module.split_count
-    assert count(64 * 3, 64, H200_SMS) == 4
-    assert count(128 * 3, 64, H200_SMS) == 2
-    assert count(256 * 3, 64, H200_SMS) == 1
-    assert count(8 * 8, 512, H200_SMS) == 4  # Qwen3-8B, batch 8: as before
-    assert count(1 * 8, 512, H200_SMS) == 33
-    assert count(64 * 3, 3, H200_SMS) == 3  # never more splits than tiles
-    wave = verify_module.RESIDENT_PER_SM * H200_SMS
-
-    def fill(programs, splits):
-        return programs * splits / (-(-programs * splits // wave) * wave)
-
-    for programs in range(1, 3 * wave):
-        splits = count(programs, 10**6, H200_SMS)
-        one_wave = max(1, wave // programs)
-        candidates = range(one_wave, max(one_wave, verify_module.MAX_SPLIT_WAVES * wave
-                                         // programs) + 1)
-        assert splits in candidates, programs
-        if fill(programs, splits) < verify_module.MIN_LAST_WAVE_FILL:
-            assert fill(programs, splits) == max(fill(programs, s) for s in candidates)
-        else:  # the fewest splits that fill it
-            assert all(fill(programs, s) < verify_module.MIN_LAST_WAVE_FILL
-                       for s in range(one_wave, splits)), programs
-
-
 @pytest.mark.parametrize("max_lanes, tile", [
     (128, 4096),  # the shipped budget: one lane per split, whole head dim, all rows
     (4, 64),  # three lane steps, the head dim in slices of 16, one row per program
 ])
 def test_merge_partials_is_logsumexp_of_live_splits(monkeypatch, max_lanes, tile):
-    monkeypatch.setattr(verify_module, "MERGE_MAX_LANES", max_lanes)
-    monkeypatch.setattr(verify_module, "MERGE_TILE", tile)
+    monkeypatch.setattr(launch, "MERGE_MAX_LANES", max_lanes)
+    monkeypatch.setattr(launch, "MERGE_TILE", tile)
     b, h_kv, g, t, d, splits = 2, 2, 3, 2, 32, 11
     acc, maxes, sums, live = split_buffers(b, h_kv, splits, g * t, d, DEVICE)
     acc.copy_(randn(*acc.shape, dtype=torch.float32, seed=1))
@@ -306,10 +277,10 @@ def test_split_kernels_merge_in_their_last_program(monkeypatch, kernel):
                                         tail_start, 205, splits=splits, sinks=sinks),)
         ref = (reference_sparse_attention(q.double(), k.double(), v.double(), positions,
                                           indices, counts, tail_start, sinks.double()),)
-    assert verify_module.merges_in_kernel(splits, q.shape[1] * heads // kv_heads, dim)
+    assert launch.merges_in_kernel(splits, q.shape[1] * heads // kv_heads, dim)
     in_kernel = run()
-    counters = verify_module._counters[torch.device(DEVICE) if DEVICE == "cpu"
-                                       else torch.device("cuda", torch.cuda.current_device())]
+    counters = split_merge._counters[torch.device(DEVICE) if DEVICE == "cpu"
+                                     else torch.device("cuda", torch.cuda.current_device())]
     assert counters.eq(0).all()
     monkeypatch.setattr(verify_module, "split_counters", lambda *a: None)
     if kernel == "sparse":
@@ -319,24 +290,6 @@ def test_split_kernels_merge_in_their_last_program(monkeypatch, kernel):
         torch.testing.assert_close(got, launched, atol=1e-6, rtol=1e-6)
         torch.testing.assert_close(got.double(), want, atol=TOLERANCE[torch.float32],
                                    rtol=TOLERANCE[torch.float32])
-
-
-def test_merges_in_kernel_only_when_one_block_holds_them():
-    assert verify_module.merges_in_kernel(4, 3, 64)  # SmolLM2's decode at batch 64
-    assert not verify_module.merges_in_kernel(33, 4, 128)  # an 8B draft at batch 1
-    assert not verify_module.merges_in_kernel(4, 28, 128)  # an 8B verify: 28 rows
-    assert not verify_module.merges_in_kernel(200, 1, 16)  # more splits than lanes
-
-
-def test_sparse_tiling_halves_tiles_only_for_short_lists_in_one_wave(monkeypatch):
-    for module in (verify_module, sparse_module):
-        monkeypatch.setattr(module, "sm_count", lambda device: 132)  # an H200
-    cpu = torch.device("cpu")
-    # An 8B draft at 64k, 5%: 3284 keys; batch 1 fills one wave with two-tile splits.
-    assert sparse_module.sparse_tiling(cpu, 8, 3284) == (66, BLOCK_N // 2)
-    assert sparse_module.sparse_tiling(cpu, 8, 6561) == (66, BLOCK_N // 2)  # 128k
-    assert sparse_module.sparse_tiling(cpu, 64, 3284) == (4, BLOCK_N)  # batch 8: 13 tiles
-    assert sparse_module.sparse_tiling(cpu, 192, 417) == (4, BLOCK_N)  # SmolLM2, batch 64
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -577,21 +530,6 @@ def test_topk_slots_takes_the_reference_top_k(span, scores_like, sum_heads, wind
     reserved = torch.floor(budget.double() * 0.5).long() if window else None
     got = topk_slots(scores, prefix, budget, k_cap, sum_heads, reserved)
     assert_same_top_slots(got, scores, prefix, budget, k_cap, sum_heads, reserved)
-
-
-def test_topk_slots_splits_a_span_just_past_a_power_of_two():
-    """A row a few slots past a power of two runs as that block plus a small second one,
-    not as a block of twice the work; short and power-of-two spans stay whole."""
-    from vegas_kernels.select_slots import _launch_shape
-
-    assert _launch_shape(8192)[:2] == (8192, 0)
-    assert _launch_shape(8195)[:2] == (8192, 1024)
-    assert _launch_shape(9216)[:2] == (8192, 1024)
-    assert _launch_shape(9217)[:2] == (16384, 0)
-    assert _launch_shape(16400)[:2] == (32768, 0)  # past 8192 + 1024: one block
-    assert _launch_shape(300)[:2] == (512, 0)
-    assert _launch_shape(2049)[:2] == (2048, 256)
-    assert all(w & (w - 1) == 0 for w in (_launch_shape(n)[2] for n in range(2000, 40000, 7)))
 
 
 def test_topk_slots_ranks_ties_across_both_blocks_of_a_split_row():

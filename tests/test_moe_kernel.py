@@ -19,8 +19,9 @@ import torch
 
 triton = pytest.importorskip("triton", reason="Triton is optional on CPU-only installs")
 
-import vegas_kernels.moe as moe_module  # noqa: E402
-from vegas_kernels.moe import BLOCK_M, moe, reference_moe  # noqa: E402
+from vegas_kernels import launch  # noqa: E402
+from vegas_kernels.launch import MOE_BLOCK_M  # noqa: E402
+from vegas_kernels.moe import moe, reference_moe  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16] if DEVICE == "cuda" else [torch.float32]
@@ -52,7 +53,7 @@ def routing(n: int, kind: str, seed: int, dtype=torch.float32, k=TOP_K, e=EXPERT
     """(weights [N, K] in dtype, chosen [N, K] int64), K distinct experts per token.
 
     ``random``: uniformly chosen experts. ``crowded``: every token's first slot goes to
-    expert 0 (37 tokens give it more than BLOCK_M pairs), the others to experts 1 .. 3,
+    expert 0 (37 tokens give it more than MOE_BLOCK_M pairs), the others to experts 1 .. 3,
     so experts 4 and 5 get no token at all."""
     g = torch.Generator().manual_seed(seed)
     if kind == "random":
@@ -135,7 +136,7 @@ def test_reference_matches_the_model(family):
 @pytest.mark.parametrize("n, kind", [
     (1, "random"),  # a decode step: K experts of one token
     (5, "random"),  # a small verify window
-    (37, "crowded"),  # one expert over BLOCK_M pairs (3 row blocks), two experts empty
+    (37, "crowded"),  # one expert over MOE_BLOCK_M pairs (3 row blocks), two experts empty
 ])
 def test_moe_matches_reference(dtype, activation, extra, bias, n, kind):
     seed = n * 10 + len(activation) + bias
@@ -144,7 +145,7 @@ def test_moe_matches_reference(dtype, activation, extra, bias, n, kind):
     weights, chosen = routing(n, kind, seed, dtype)
     if kind == "crowded":
         counts = torch.bincount(chosen.flatten(), minlength=EXPERTS)  # the test's own view
-        assert counts[0] > BLOCK_M and (counts == 0).any()
+        assert counts[0] > MOE_BLOCK_M and (counts == 0).any()
         for t in params.values():  # experts nobody routes to must not count: poison them
             t[counts == 0] = float("nan")
     got = moe(x, weights, chosen, **params, activation=activation, **extra)
@@ -157,8 +158,8 @@ def test_moe_matches_reference(dtype, activation, extra, bias, n, kind):
 def test_moe_with_many_tiles(monkeypatch, activation, extra):
     """16-wide tiles: three reduction steps over D = 48 and over F = 40 (the last one
     partial), three hidden-column programs per expert and three output-column ones."""
-    for name in ("BLOCK_F", "BLOCK_D", "BLOCK_K"):
-        monkeypatch.setattr(moe_module, name, 16)
+    for name in ("MOE_BLOCK_F", "MOE_BLOCK_D", "MOE_BLOCK_K"):
+        monkeypatch.setattr(launch, name, 16)
     params = experts(torch.float32, True, seed=3)
     x = randn(37, HIDDEN, seed=4)
     weights, chosen = routing(37, "crowded", seed=5)

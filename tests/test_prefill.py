@@ -118,16 +118,16 @@ def test_new_prefill_gives_the_old_prefills_greedy_tokens(smollm, smollm_prompts
     spec = None if drafter is None else SpecConfig(drafter=drafter, gamma=4, sparsity=0.1,
                                                    min_tokens=32)
 
-    import vegas_kernels.prefill_attention as fused
+    import vegas_core.attention as dispatch
 
     calls = [0]
-    real = fused.prefill_attention
+    real = dispatch.prefill_attention
 
     def counted(*args):
         calls[0] += 1
         return real(*args)
 
-    monkeypatch.setattr(fused, "prefill_attention", counted)
+    monkeypatch.setattr(dispatch, "prefill_attention", counted)
 
     def run():
         return generate(smollm, smollm_prompts, max_new_tokens=12, ignore_eos=True,

@@ -12,10 +12,11 @@ import pytest
 import yaml
 
 from vegas_core.errors import VegasError
-from vegas_tune.export import (STREAMING_NOTE, VLLM_MEASURED, VLLM_NOTE, VLLM_TARGET,
-                               build_exports, check_target, engine_settings,
-                               recommendation_note, render_export, vllm_note,
-                               vllm_serve_config, vllm_speculative_config)
+from vegas_tune.export import check_target, recommendation_note, render_export
+from vegas_tune.profile import build_exports
+from vegas_tune.serving import (STREAMING_NOTE, VLLM_MEASURED, VLLM_NOTE, VLLM_TARGET,
+                                engine_settings, vllm_note, vllm_serve_config,
+                                vllm_speculative_config)
 from vegas_tune.profile import (SCHEMA_VERSION, Profile, Tuned, diff_profiles, load_profile,
                                 profile_from_dict, profile_to_dict, write_profile)
 

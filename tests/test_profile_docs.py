@@ -13,8 +13,7 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
-from vegas_tune.export import build_exports
-from vegas_tune.profile import SCHEMA_VERSION, Profile, Tuned, profile_from_dict
+from vegas_tune.profile import SCHEMA_VERSION, Profile, Tuned, build_exports, profile_from_dict
 from vegas_tune.space import budget_ratio, fits_target, longest_prefix
 from vegas_tune.steps import RACE, STEPS
 

@@ -15,7 +15,8 @@ from tests.test_profile import MAX_MODEL_LEN, MODEL_ID, sample_profile_dict, syn
 from vegas_core.errors import VegasError
 from vegas_core.spec_config import MAX_GAMMA, SpecConfig
 from vegas_tune import cli
-from vegas_tune.export import recommendation_note, render_export, vllm_speculative_config
+from vegas_tune.export import recommendation_note, render_export
+from vegas_tune.serving import vllm_speculative_config
 from vegas_tune.profile import (MAX_YAML_BYTES, Tuned, profile_from_dict, profile_to_dict,
                                 read_yaml)
 

@@ -29,6 +29,9 @@ import torch
 from vegas_core.cache import KVCache
 from vegas_core.config import SlidingWindow
 from vegas_core.scores import ScoreCollector
+from vegas_kernels.prefill_attention import prefill_attention
+from vegas_kernels.sparse_attention import sparse_attention
+from vegas_kernels.verify_attention import verify_attention
 
 MODES = ("full", "verify", "draft")
 # Kernels serve decode and verify windows; longer blocks (prefill chunks) use the reference.
@@ -221,21 +224,6 @@ def reference_attention(
     return out.permute(0, 3, 1, 2, 4).reshape(b, t, h, d)
 
 
-def attention_backend(device: torch.device | str) -> str:
-    """What serves attention on ``device``: for profiles' provenance and ``doctor``."""
-    probe = torch.empty(0, device=torch.device(device))
-    prefill = " + sdpa (prefill)" if prefill_kernels_enabled() else ""
-    if not kernels_enabled(probe):
-        return "pytorch-reference" + (f" (decode, verify, drafts){prefill}" if prefill else "")
-    from vegas_core.graphs import graphs_enabled
-
-    graphs = " + CUDA graphs" if graphs_enabled(probe.device) else ""
-    return ("triton (decode, verify with fused, edge-logit or deferred vegas scores, "
-            "index-list drafts)"
-            f"{graphs}{prefill} + pytorch-reference (query-dependent drafts"
-            + ("" if prefill else ", prefill") + ")")
-
-
 @functools.cache
 def _triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
@@ -295,8 +283,6 @@ def _kernel_attention(q, k, v, layer: int, meta: AttentionMeta,
     window = meta.window_of(layer)
     edges = collector is not None and collector.keeps_edges and window is None
     if dense and (collector is None or collector.fusable or edges or collector.deferrable):
-        from vegas_kernels.verify_attention import verify_attention
-
         fuse = collector is not None and collector.fusable
         weights = collector.fused_rows if fuse else None
         into = collector.home(layer) if fuse else None
@@ -311,8 +297,6 @@ def _kernel_attention(q, k, v, layer: int, meta: AttentionMeta,
             collector.defer(layer, q, k, meta.positions, lse, meta.kv_len)
         return out
     if meta.mode == "draft" and isinstance(meta.sparse, SparseSelection) and q.shape[1] == 1:
-        from vegas_kernels.sparse_attention import sparse_attention
-
         sel = meta.sparse
         row = sel.row(layer)
         return sparse_attention(q, k, v, meta.positions, sel.indices[row], sel.counts[row],
@@ -330,8 +314,6 @@ def attend(q: torch.Tensor, cache: KVCache, layer: int, meta: AttentionMeta,
     k, v = cache.layer(layer, meta.kv_len)
     if meta.block_start is not None and meta.collector is None and prefill_kernels_enabled():
         # Every prefill chunk, short ones too: no Triton kernel compiled per chunk shape.
-        from vegas_kernels.prefill_attention import prefill_attention
-
         return prefill_attention(q, k, v, meta.block_start, meta.window_of(layer), sinks)
     out = _kernel_attention(q, k, v, layer, meta, sinks)
     if out is not None:

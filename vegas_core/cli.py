@@ -14,7 +14,11 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 
 from vegas_core.errors import VegasError
-from vegas_core.spec_config import MAX_GAMMA
+from vegas_core.generation import generate as run_generate
+from vegas_core.loading import load_model
+from vegas_core.schedule import SpecSchedule
+from vegas_core.spec_config import MAX_GAMMA, SpecConfig
+from vegas_core.yamlio import read_yaml_file
 
 app = typer.Typer(
     add_completion=False,
@@ -147,9 +151,6 @@ def generate(
     debug: bool = typer.Option(False, help="Show tracebacks."),
 ) -> None:
     """Generate text from one prompt and report decode speed."""
-    from vegas_core import SpecConfig, load_model
-    from vegas_core import generate as run_generate
-
     if (prompt is None) == (prompt_file is None):
         raise VegasError("give exactly one of --prompt or --prompt-file")
     if profile is not None:
@@ -214,9 +215,6 @@ def generate(
 def _profile_spec(path: Path, model: str, batch: int):
     """The profile's ``SpecConfig`` (None: vanilla) for ``batch`` prompts, announced on
     stderr; a warning when the profile was tuned for another model than ``model``."""
-    from vegas_core.schedule import SpecSchedule
-    from vegas_core.yamlio import read_yaml_file
-
     data = read_yaml_file(path, "profile")
     schedule = SpecSchedule.from_profile_data(data, str(path))
     # Cheap and advisory: model.id is the --model the tuner was given, so a path and a

@@ -166,11 +166,6 @@ class ModelConfig:
             return list(range(self.num_layers))
         return [i for i in range(self.num_layers) if i not in window.layers]
 
-    @property
-    def group_size(self) -> int:
-        """Query heads per KV head (GQA)."""
-        return self.num_heads // self.num_kv_heads
-
     def num_parameters(self) -> int:
         """Parameter count implied by the shape (embeddings counted once if tied)."""
         d, h, kv, hd = self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
@@ -410,10 +405,14 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+# A model spec naming a preset shape with random weights: ``dummy:<preset>``.
+DUMMY_PREFIX = "dummy:"
+
+
 def preset_config(preset: str) -> ModelConfig:
     """The config of ``dummy:<preset>``."""
     if preset not in PRESETS:
         raise VegasError(
             f"unknown dummy preset '{preset}'; choose one of: {', '.join(sorted(PRESETS))}"
         )
-    return ModelConfig(name=f"dummy:{preset}", **PRESETS[preset])
+    return ModelConfig(name=f"{DUMMY_PREFIX}{preset}", **PRESETS[preset])

@@ -173,13 +173,6 @@ class Workspace:
         self.pool = new_pool(device)
         self._items: dict[tuple, object] = {}
 
-    @classmethod
-    def around(cls, cache, device: torch.device) -> "Workspace":
-        """A workspace for a cache the caller made (used by one session only)."""
-        space = cls.__new__(cls)
-        space.cache, space.pool, space._items = cache, new_pool(device), {}
-        return space
-
     def get(self, key: tuple, make: Callable[[], object]) -> object:
         if key not in self._items:
             self._items[key] = make()

@@ -19,6 +19,9 @@ from torch import nn
 from vegas_core.attention import AttentionMeta, attend, kernels_enabled, supported_head_dim
 from vegas_core.cache import KVCache
 from vegas_core.config import ModelConfig
+from vegas_kernels.gemv import gemv, gemv_serves, gemv_silu_mul
+from vegas_kernels.layer_ops import rms_norm, rope_and_store, silu_mul
+from vegas_kernels.moe import moe
 
 # Tokens up to which a mixture runs on the grouped Triton kernel (vegas_kernels.moe) where the
 # kernels are enabled: decode, draft and verify forwards, up to a batch of 256 verifying
@@ -32,8 +35,6 @@ def project(layer: nn.Linear, x: torch.Tensor, fused: bool) -> torch.Tensor:
     the gemv kernel (vegas_kernels.gemv), which streams the weight once for all rows (as
     fast as cuBLAS there or up to 1.24x faster: docs/results/gemv-h200.md)."""
     if fused:
-        from vegas_kernels.gemv import gemv, gemv_serves
-
         if gemv_serves(x, layer.weight):
             return gemv(x, layer.weight, layer.bias)
     return layer(x)
@@ -50,8 +51,6 @@ class RMSNorm(nn.Module):
         """-> norm(x); with ``residual``: (norm(h), h) for h = x + residual, the sum the
         next block adds to (one kernel on the fused path)."""
         if fused:
-            from vegas_kernels.layer_ops import rms_norm
-
             return rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
@@ -197,8 +196,6 @@ class Attention(nn.Module):
         q, k, v = qkv[:, :, :h], qkv[:, :, h:h + h_kv], qkv[:, :, h + h_kv:]  # q: [B, T, H, D]
         if rope.fused:
             # q/k norm, rotation and the cache write in one kernel.
-            from vegas_kernels.layer_ops import rope_and_store
-
             norms = (None, None) if self.q_norm is None else (self.q_norm.weight,
                                                               self.k_norm.weight)
             eps = self.q_norm.eps if self.q_norm is not None else 0.0
@@ -227,9 +224,6 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, *, fused: bool = False) -> torch.Tensor:
         if fused and not self.gelu:
-            from vegas_kernels.gemv import gemv_serves, gemv_silu_mul
-            from vegas_kernels.layer_ops import silu_mul
-
             if gemv_serves(x, self.gate_up_proj.weight):  # the GEMM and SiLU-mul in one
                 hidden = gemv_silu_mul(x, self.gate_up_proj.weight)
             else:
@@ -292,8 +286,6 @@ class MixtureOfExperts(nn.Module):
         x = x.reshape(-1, shape[-1])  # [N, D]
         weights, chosen = self.route(x)  # [N, K]
         if fused and x.shape[0] <= MOE_KERNEL_MAX_TOKENS:
-            from vegas_kernels.moe import moe
-
             c = self.config
             return moe(x, weights, chosen, self.experts_gate_up, self.experts_down,
                        self.experts_gate_up_bias, self.experts_down_bias,

@@ -37,6 +37,7 @@ from collections.abc import Callable
 import torch
 
 from vegas_core.spec_config import SCORES
+from vegas_kernels.collect_scores import collect_scores, edge_weight_scores
 
 RowsFn = Callable[[], torch.Tensor]
 
@@ -103,8 +104,6 @@ class ScoreCollector:
                    positions: torch.Tensor, kv_len: int) -> None:
         """edges [B, H_kv, E * G, S] (float16) and lse [B, T, H] of ``layer``'s verify
         attention: summed into its probabilities now (a few bytes per slot, not K)."""
-        from vegas_kernels.collect_scores import edge_weight_scores
-
         self._summed[layer] = edge_weight_scores(edges, lse, positions, self.fused_rows, kv_len,
                                                  out=self.home(layer))
 
@@ -129,8 +128,6 @@ class ScoreCollector:
 
     def reduce_deferred(self, rows: torch.Tensor) -> None:
         """The score kernel over the deferred layers, for rows [B, T]."""
-        from vegas_kernels.collect_scores import collect_scores
-
         for layer, (q, k, positions, lse, kv_len) in self._deferred.items():
             self._summed[layer] = collect_scores(
                 q, k, positions, rows, kv_len, lse if self.mode == "weight" else None,

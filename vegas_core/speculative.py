@@ -8,7 +8,7 @@ pending token (accepted, not yet in the cache). An iteration
 2. verifies [pending, d1, .., d_gamma] at n_b .. n_b+gamma in one full-attention
    forward, which overwrites the draft's K/V and collects selection scores;
 3. accepts j_b drafts (greedy: longest match; sampling: speculative sampling) and one
-   bonus token, which becomes the new pending token;
+   bonus token, which becomes the new pending token (``vegas_core.acceptance``);
 4. rolls back by setting n_b += j_b + 1: slots beyond hold stale K/V that the next
    writes overwrite;
 5. selects the next draft's KV from the verify scores over the prefix [0, n_b_old);
@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from vegas_core.acceptance import accept, advance
 from vegas_core.attention import AttentionMeta, kernels_serve_model
 from vegas_core.graphs import SpeculativeForwards, workspace
 from vegas_core.loading import LoadedModel
@@ -206,11 +207,12 @@ class SpeculativeSession:
         logits, collector = self.forwards.verify(
             tokens, positions, longest + gamma + 1, kind,
             lambda: self._collector(gamma + 1, self.iteration) if collect else None)
-        accepted, bonus = self._accept(logits, drafts_t, draft_probs)
+        q_all = torch.stack(draft_probs, dim=1) if draft_probs else None  # [B, gamma, V]
+        accepted, bonus = accept(logits, drafts_t, q_all, params, self.generator)
 
         self._clock.mark("selection")
-        self.cache.lengths.copy_(torch.where(active, n + accepted + 1, n))
-        self.pending = torch.where(active, bonus, self.pending)
+        lengths, self.pending = advance(n, self.pending, accepted, bonus, active)
+        self.cache.lengths.copy_(lengths)
         self._select(collector, gamma + 1, accepted, n, longest)
         self._clock.mark("")
         # The iteration's one device-to-host copy: accepted counts, bonus and drafts.
@@ -222,31 +224,3 @@ class SpeculativeSession:
             if active_host[b]:
                 self.host_lengths[b] += j + 1
         return out
-
-    def _accept(self, logits: torch.Tensor, drafts: torch.Tensor,
-                draft_probs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (accepted drafts [B], bonus token [B])."""
-        b, gamma = drafts.shape
-        rows = torch.arange(b, device=self.dev)
-        if self.params.greedy:
-            target = logits.argmax(-1)  # [B, gamma + 1]
-            match = (drafts == target[:, :gamma]).long()
-            accepted = match.cumprod(dim=1).sum(dim=1)
-            return accepted, target[rows, accepted]
-        p = probabilities(logits, self.params)  # [B, gamma + 1, V]
-        q = torch.stack(draft_probs, dim=1)  # [B, gamma, V]
-        p_d = p[:, :gamma].gather(-1, drafts[..., None]).squeeze(-1)
-        q_d = q.gather(-1, drafts[..., None]).squeeze(-1)
-        u = torch.rand(b, gamma, generator=self.generator, device=self.dev)
-        ok = (u * q_d < p_d).long()  # u < p/q without dividing
-        accepted = ok.cumprod(dim=1).sum(dim=1)
-        # On a rejection at position j: sample from norm(max(0, p_j - q_j)); if all
-        # gamma drafts pass, the bonus comes from p_gamma.
-        p_j = p[rows, accepted]
-        q_j = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)[rows, accepted]
-        residual = torch.clamp(p_j - q_j, min=0.0)
-        mass = residual.sum(-1, keepdim=True)
-        # p == q exactly leaves no residual mass; rejection then has probability 0.
-        residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p_j)
-        bonus = torch.multinomial(residual, 1, generator=self.generator).squeeze(-1)
-        return accepted, bonus

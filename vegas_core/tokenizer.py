@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+import jinja2
+
 
 class Tokenizer(Protocol):
     bos_token_id: int | None
@@ -41,8 +43,6 @@ class TokenizersTokenizer:
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
         if not self.chat_template:
             return messages[-1]["content"]
-        import jinja2
-
         env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
         template = env.from_string(self.chat_template)
         token = self.backend.id_to_token

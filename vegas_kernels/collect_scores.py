@@ -15,8 +15,8 @@ Invisible slots contribute 0.
 
 Layout as in ``vegas_kernels.verify_attention``: the G * T rows of a KV group are packed into
 one tile (row r: head ``kvh * G + r // T``, window row ``r % T``). One program per
-(sequence * KV head, block of COLLECT_TILES tiles of BLOCK_N slots up to the static
-``kv_len``); a program reads ``total = min(kv_len, max(positions[b]) + 1)`` from the
+(sequence * KV head, block of ``launch.COLLECT_TILES`` tiles of BLOCK_N slots up to the
+static ``kv_len``); a program reads ``total = min(kv_len, max(positions[b]) + 1)`` from the
 device and does nothing past it, so one launch (a captured CUDA graph) serves any length
 up to the bound. Slots at or past ``total`` are left unwritten.
 
@@ -36,23 +36,18 @@ import math
 
 import torch
 
-from vegas_kernels.verify_attention import BLOCK_N, block_rows, edge_rows, scores_home, supported
+from vegas_kernels import launch
+from vegas_kernels.verify_attention import edge_rows, scores_home
 
 try:
     import triton
     import triton.language as tl
 
-    from vegas_kernels.verify_attention import _scaled_scores
+    from vegas_kernels.split_merge import scaled_scores
 except ImportError:  # CPU-only installs: the reference path is used
     triton = None
 
-# BLOCK_N tiles per program: q is loaded once for them, and the loop lets the next K
-# tile load while this one is reduced.
-COLLECT_TILES = 8
-# Slots per program of edge_weight_scores.
-EDGE_BLOCK = 1024
-
-__all__ = ["collect_scores", "edge_weight_scores", "reference_collect_scores", "supported"]
+__all__ = ["collect_scores", "edge_weight_scores", "reference_collect_scores"]
 
 
 def reference_collect_scores(q, k, positions, row_weights, kv_len, lse=None):
@@ -89,7 +84,7 @@ if triton is not None:
             k = tl.load(k_ptrs, mask=in_range[:, None], other=0.0)
         else:
             k = tl.load(k_ptrs)
-        x = _scaled_scores(k, q, sm_scale, IEEE)  # [BLOCK_N, BLOCK_M]
+        x = scaled_scores(k, q, sm_scale, IEEE)  # [BLOCK_N, BLOCK_M]
         if WEIGHT_MODE:
             x = tl.exp(x - row_lse[None, :])
         visible = (slots[:, None] <= pos[None, :]) & row_ok[None, :]
@@ -199,13 +194,13 @@ def edge_weight_scores(edges, lse, positions, row_weights, kv_len: int, out=None
     weights = row_weights.float()
     if kv_len == 0:
         return out
-    _edge_weight_kernel[(b * h_kv, triton.cdiv(kv_len, EDGE_BLOCK))](
+    _edge_weight_kernel[(b * h_kv, triton.cdiv(kv_len, launch.EDGE_BLOCK))](
         edges, lse, positions, weights, out,
         edges.stride(0), edges.stride(1), edges.stride(2), *lse.stride(),
         positions.stride(0), positions.stride(1), weights.stride(0), weights.stride(1),
         out.stride(0), out.stride(1), kv_len,
         H_KV=h_kv, G=g, T=t, E=e, ROWS=triton.next_power_of_2(e * g),
-        T_PAD=triton.next_power_of_2(t), BLOCK=EDGE_BLOCK,
+        T_PAD=triton.next_power_of_2(t), BLOCK=launch.EDGE_BLOCK,
     )
     return out
 
@@ -229,12 +224,13 @@ def collect_scores(q, k, positions, row_weights, kv_len: int, lse=None, out=None
     lse_strides = lse.stride() if weight_mode else (0, 0, 0)
     if kv_len == 0:  # an empty grid is not launched
         return out
-    _collect_kernel[(b * h_kv, triton.cdiv(kv_len, COLLECT_TILES * BLOCK_N))](
+    per_program = launch.COLLECT_TILES * launch.BLOCK_N  # slots
+    _collect_kernel[(b * h_kv, triton.cdiv(kv_len, per_program))](
         q, k, positions, weights, lse_arg, out,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         positions.stride(0), positions.stride(1), weights.stride(0), weights.stride(1),
         *lse_strides, out.stride(0), out.stride(1), kv_len, 1.0 / math.sqrt(d),
-        H_KV=h_kv, G=g, T=t, D=d, BLOCK_M=block_rows(g * t), BLOCK_N=BLOCK_N,
-        TILES=COLLECT_TILES, WEIGHT_MODE=weight_mode, IEEE=q.dtype == torch.float32,
+        H_KV=h_kv, G=g, T=t, D=d, BLOCK_M=launch.block_rows(g * t), BLOCK_N=launch.BLOCK_N,
+        TILES=launch.COLLECT_TILES, WEIGHT_MODE=weight_mode, IEEE=q.dtype == torch.float32,
     )
     return out

@@ -34,6 +34,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from vegas_kernels import launch
+from vegas_kernels.launch import GemvConfig
+
 try:
     import triton
     import triton.language as tl
@@ -49,42 +52,6 @@ MAX_ROWS = ROWS_PAD
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 # float32 runs too (exact float32 products, no TF32), for the interpreter's tests.
 KERNEL_DTYPES = HALF_DTYPES + (torch.float32,)
-
-
-class GemvConfig:
-    """Tile and launch settings: weight rows per program, K per step, warps, stages."""
-
-    __slots__ = ("block_n", "block_k", "num_warps", "num_stages")
-
-    def __init__(self, block_n: int, block_k: int, num_warps: int, num_stages: int) -> None:
-        self.block_n, self.block_k = block_n, block_k
-        self.num_warps, self.num_stages = num_warps, num_stages
-
-    def __repr__(self) -> str:
-        return (f"GemvConfig(block_n={self.block_n}, block_k={self.block_k}, "
-                f"num_warps={self.num_warps}, num_stages={self.num_stages})")
-
-
-# Chosen by bench/gemv.py --sweep on the H200 (docs/results/gemv-sweep-h200.md), 1 and 8
-# rows.
-# At the 8B shapes, wide weights (N >= 6144: 96 or more programs) take 64-row tiles and
-# narrower ones 32-row tiles, so that a 4096-row weight still spreads over 128 programs,
-# one per SM, with a deeper pipeline to keep each SM's loads in flight. A short K
-# (SmolLM2's 576) is a few steps per program and the products take 3-16 us, mostly
-# launch and ramp: 16-row tiles (more programs) there, and short K steps for the LM head.
-WIDE_WEIGHT_ROWS = 6144
-SHORT_K = 1024
-WIDE_CONFIG = GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=4)
-NARROW_CONFIG = GemvConfig(block_n=32, block_k=256, num_warps=4, num_stages=5)
-SHORT_WIDE_CONFIG = GemvConfig(block_n=64, block_k=64, num_warps=4, num_stages=3)
-SHORT_NARROW_CONFIG = GemvConfig(block_n=16, block_k=128, num_warps=4, num_stages=5)
-
-
-def config_for(n: int, k: int) -> GemvConfig:
-    """Tile settings for a product with N output columns over K."""
-    if k < SHORT_K:
-        return SHORT_WIDE_CONFIG if n >= WIDE_WEIGHT_ROWS else SHORT_NARROW_CONFIG
-    return WIDE_CONFIG if n >= WIDE_WEIGHT_ROWS else NARROW_CONFIG
 
 
 def gemv_serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -193,7 +160,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n:
         raise ValueError(f"gemv takes 1 to {MAX_ROWS} rows, got {x2.shape[0]}")
     out = torch.empty(*x.shape[:-1], n, device=x.device, dtype=x.dtype)
     y2 = out.view(-1, n)
-    c = config or config_for(n, k)
+    c = config or launch.gemv_config(n, k)
     _gemv_kernel[(triton.cdiv(n, c.block_n),)](
         x2, weight, bias if bias is not None else weight, y2, x2.shape[0], n, k,
         x2.stride(0), weight.stride(0), y2.stride(0),

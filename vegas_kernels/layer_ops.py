@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import torch
 
+from vegas_kernels import launch
+
 try:
     import triton
     import triton.language as tl
@@ -47,24 +49,10 @@ except ImportError:  # CPU-only installs: only the references are usable
 __all__ = ["rms_norm", "rope_and_store", "silu_mul",
            "reference_rms_norm", "reference_rope_and_store", "reference_silu_mul"]
 
-# rms_norm: a program covers whole rows and, for short rows (head dims), several rows so
-# that each program still has about this many elements to work on.
-NORM_TILE_ELEMENTS = 2048
 # The longest row one program keeps in registers (hidden sizes go up to 8192).
 MAX_NORM_COLUMNS = 65536
-# silu_mul: output columns per program (F is ~14-19k for 8B models, so a row is a
-# dozen or more programs, enough to spread a batch-1 decode step over the GPU).
-SILU_BLOCK = 1024
-SILU_WARPS = 4
-# Elements per warp a program aims for when choosing num_warps (32 lanes x 8 values).
-ELEMENTS_PER_WARP = 256
-MAX_WARPS = 8
 # Head dims the RoPE kernel accepts: powers of two, so each half is one Triton block.
 ROPE_HEAD_DIMS = (16, 32, 64, 128, 256)
-
-
-def _warps_for(elements: int) -> int:
-    return max(1, min(MAX_WARPS, elements // ELEMENTS_PER_WARP))
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -279,13 +267,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     else:
         h, res2, h2 = None, x2, y2  # placeholders: the kernel does not touch them
     if m > 0:
-        block_n = triton.next_power_of_2(n)
-        block_rows = max(1, NORM_TILE_ELEMENTS // block_n)
+        block_rows, block_n, warps = launch.norm_tile(n)
         _rms_norm_kernel[(triton.cdiv(m, block_rows),)](
             x2, res2, weight.contiguous(), y2, h2, m, n, eps,
             x2.stride(0), res2.stride(0), y2.stride(0), h2.stride(0),
             BLOCK_ROWS=block_rows, BLOCK_N=block_n, HAS_RESIDUAL=residual is not None,
-            num_warps=_warps_for(block_rows * block_n))
+            num_warps=warps)
     return y if residual is None else (y, h)
 
 
@@ -330,7 +317,7 @@ def rope_and_store(q, k, v, positions, inv_freq, cache_k, cache_v, layer: int,
         v.stride(0), v.stride(1), v.stride(2), positions.stride(0), positions.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
         ck.stride(0), ck.stride(1), ck.stride(2), cv.stride(0), cv.stride(1), cv.stride(2),
-        HALF=d // 2, HAS_QK_NORM=has_norm, num_warps=_warps_for(d))
+        HALF=d // 2, HAS_QK_NORM=has_norm, num_warps=launch.elementwise_warps(d))
     return out
 
 
@@ -344,7 +331,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(*gate_up.shape[:-1], f, device=gate_up.device, dtype=gate_up.dtype)
     out2 = out.view(-1, f)
     if gu.shape[0] > 0 and f > 0:
-        _silu_mul_kernel[(gu.shape[0], triton.cdiv(f, SILU_BLOCK))](
-            gu, out2, f, gu.stride(0), out2.stride(0), BLOCK=SILU_BLOCK,
-            num_warps=SILU_WARPS)
+        _silu_mul_kernel[(gu.shape[0], triton.cdiv(f, launch.SILU_BLOCK))](
+            gu, out2, f, gu.stride(0), out2.stride(0), BLOCK=launch.SILU_BLOCK,
+            num_warps=launch.SILU_WARPS)
     return out

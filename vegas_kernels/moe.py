@@ -28,6 +28,9 @@ decode sizes: once). The grids depend on E, F and D alone, so one launch serves 
 routing: a graph captured once stays right when ``chosen`` and ``weights`` are refilled
 in place.
 
+The tile sizes and launch options (BLOCK_M pairs, BLOCK_F, BLOCK_D and BLOCK_K columns,
+warps, stages) are ``vegas_kernels.launch``'s ``MOE_*``.
+
 Meant for decode, verify and draft batches (N from 1 to a few thousand tokens). At
 prefill sizes every expert has many blocks of pairs and a tuned grouped GEMM (or the
 eager loop) is the better tool; callers keep their PyTorch path there.
@@ -54,6 +57,8 @@ from __future__ import annotations
 
 import torch
 
+from vegas_kernels import launch
+
 try:
     import triton
     import triton.language as tl
@@ -63,22 +68,6 @@ except ImportError:  # CPU-only installs: only the reference is usable
 __all__ = ["ACTIVATIONS", "moe", "reference_moe"]
 
 ACTIVATIONS = ("silu", "clamped_swiglu")  # as vegas_core.config.EXPERT_ACTIVATIONS
-# Pairs per tile: tl.dot needs at least 16 rows, and at decode sizes an expert rarely
-# gets more than a few pairs, so a taller tile would mostly multiply padding.
-BLOCK_M = 16
-# Hidden columns per gate/up program. Narrow, so that a batch-1 step (K experts) still
-# spreads over the GPU: gpt-oss (F = 2880) gives 90 programs per expert, Qwen3-30B-A3B
-# (F = 768) 24, i.e. 360 and 192 busy programs at one token, more than the 132 SMs.
-BLOCK_F = 32
-# Output columns per down program, for the same reason (D = 2880 and 2048: 90 and 64
-# programs per expert).
-BLOCK_D = 32
-# The reduction step (over D for gate/up, over F for down): 128 elements of a weight row
-# is 256 contiguous bytes in bf16, and the two weight tiles of a gate/up step stay at
-# 16 KiB per pipeline stage.
-BLOCK_K = 128
-MOE_WARPS = 4  # launch options of both kernels (Triton's defaults)
-MOE_STAGES = 3
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what tl.dot takes
 
 
@@ -285,22 +274,23 @@ def moe(x, weights, chosen, gate_up, down, gate_up_bias=None, down_bias=None,
     gu_bias = gate_up_bias.contiguous() if gate_up_bias is not None else counts  # placeholder
     dn_bias = down_bias.contiguous() if down_bias is not None else counts
     hidden = torch.empty(pairs, f, device=dev, dtype=x.dtype)  # [P, F] by sorted position
-    _gate_up_kernel[(e, triton.cdiv(f, BLOCK_F))](
+    _gate_up_kernel[(e, triton.cdiv(f, launch.MOE_BLOCK_F))](
         x, order, counts, starts, gate_up, gu_bias, hidden,
         d, f, x.stride(0), gate_up.stride(0), gate_up.stride(1),
         gu_bias.stride(0) if gate_up_bias is not None else 0, hidden.stride(0),
         float(alpha), float(limit),
-        K=k, BLOCK_M=BLOCK_M, BLOCK_F=BLOCK_F, BLOCK_K=BLOCK_K,
-        HAS_BIAS=gate_up_bias is not None, CLAMPED=activation == "clamped_swiglu",
-        IEEE=ieee, num_warps=MOE_WARPS, num_stages=MOE_STAGES,
+        K=k, BLOCK_M=launch.MOE_BLOCK_M, BLOCK_F=launch.MOE_BLOCK_F,
+        BLOCK_K=launch.MOE_BLOCK_K, HAS_BIAS=gate_up_bias is not None,
+        CLAMPED=activation == "clamped_swiglu", IEEE=ieee,
+        num_warps=launch.MOE_WARPS, num_stages=launch.MOE_STAGES,
     )
     y = torch.empty(pairs, d, device=dev, dtype=torch.float32)  # [P, D] by pair id
-    _down_kernel[(e, triton.cdiv(d, BLOCK_D))](
+    _down_kernel[(e, triton.cdiv(d, launch.MOE_BLOCK_D))](
         hidden, order, counts, starts, route_w, down, dn_bias, y,
         d, f, hidden.stride(0), down.stride(0), down.stride(1),
         dn_bias.stride(0) if down_bias is not None else 0, y.stride(0),
-        BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, BLOCK_K=BLOCK_K,
+        BLOCK_M=launch.MOE_BLOCK_M, BLOCK_D=launch.MOE_BLOCK_D, BLOCK_K=launch.MOE_BLOCK_K,
         HAS_BIAS=down_bias is not None, IEEE=ieee,
-        num_warps=MOE_WARPS, num_stages=MOE_STAGES,
+        num_warps=launch.MOE_WARPS, num_stages=launch.MOE_STAGES,
     )
     return y.view(n, k, d).sum(dim=1).to(x.dtype)

@@ -40,7 +40,6 @@ import math
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import causal_lower_right
 
 # Kernel preference for whole-prompt blocks on CUDA; PyTorch falls through the list to
 # the first one that supports the shape and dtype.
@@ -123,6 +122,10 @@ def _attend(q, k, v, start: int, window: int | None, scale: float | None,
             out = F.scaled_dot_product_attention(qt, kk, vv, is_causal=True, enable_gqa=True,
                                                  scale=scale)
     elif q.is_cuda and q.dtype in FLASH_DTYPES:
+        # Deferred: torch.nn.attention.bias imports torch._dynamo (1.4 s), and only this
+        # branch needs it.
+        from torch.nn.attention.bias import causal_lower_right
+
         out = F.scaled_dot_product_attention(qt, kk, vv, attn_mask=causal_lower_right(t, s),
                                              enable_gqa=True, scale=scale)
     else:

@@ -23,13 +23,13 @@ stays in registers, so the search re-reads nothing: rows up to RESIDENT_SPAN slo
 
 The kernel is bound by latency, not bandwidth: how many programs an SM holds (set by
 registers) and how many instructions a program issues decide its time. Three choices
-keep both low (docs/results/selection-smollm2-h200.md, stop 29): the row's loads are
+keep both low (docs/results/selection-smollm2-h200.md, 0cf468c): the row's loads are
 masked on a length divisible by 16 (``_load_len``), so they vectorise and need a quarter
 of the address registers of per-slot masked loads; the list's places come from a
 running count in two levels (within rows of COUNT_ROW slots, then across them) rather
 than one scan of the whole row; and the lengths are compared as 32-bit integers. A row a
 little past 2048, 4096 or 8192 slots runs as that block plus one an eighth its size, not
-as one block of twice the work (``_launch_shape``).
+as one block of twice the work (``launch.topk_launch``).
 
 ``reference_topk_slots`` is the PyTorch ground truth (and that fallback).
 """
@@ -38,20 +38,18 @@ from __future__ import annotations
 
 import torch
 
+from vegas_kernels import launch
+
 try:
     import triton
     import triton.language as tl
 except ImportError:  # CPU-only installs: the reference path is used
     triton = None
 
-# Longest row the kernel keeps in registers: 64 scores per thread at 16 warps (at 32768
-# slots still 1.0-1.65x faster than PyTorch's top-k on the H200; longer rows use it).
-# At least 8 warps: with 4, a program needed 255 registers (spilling) and an SM held two;
-# at 8 warps 127, two programs of twice the warps (docs/results/selection-smollm2-h200.md).
-RESIDENT_SPAN = 32768
-SCORES_PER_THREAD = 64
-MIN_WARPS = 8
-MAX_WARPS = 16
+# Longest row the kernel keeps in registers: launch.SCORES_PER_THREAD scores per thread at
+# launch.TOPK_MAX_WARPS warps (at 32768 slots still 1.0-1.65x faster than PyTorch's top-k
+# on the H200; longer rows use it).
+RESIDENT_SPAN = launch.SCORES_PER_THREAD * 32 * launch.TOPK_MAX_WARPS
 # Past this many probes the search bisects: a bound on its worst case (interpolated
 # probes find the k-th largest score in about 7-11 of them on smooth scores).
 INTERPOLATED_PROBES = 24
@@ -63,10 +61,6 @@ COUNT_ROW = 128
 # Row lengths the loads' mask is rounded up to: Triton vectorises a load whose mask is
 # constant over 4 slots only when it can prove it, from a bound divisible by 16.
 LOAD_ALIGN = 16
-# Rows a little past one of these powers of two run as two blocks, the second
-# 1 / TAIL_SHARE of the first (see _launch_shape).
-SPLIT_BLOCKS = (2048, 4096, 8192)
-TAIL_SHARE = 8
 
 __all__ = ["RESIDENT_SPAN", "aligned_slots", "reference_topk_slots", "reserved_indices", "reserved_slots",
            "serves", "topk_slots"]
@@ -135,20 +129,6 @@ def _load_len(scores: torch.Tensor) -> int:
     return padded if fits else s
 
 
-def _launch_shape(span: int) -> tuple[int, int, int]:
-    """-> (block, tail, warps): a row of ``span`` slots as one power-of-two block, or, a
-    little past a power of two P in SPLIT_BLOCKS (by at most P / TAIL_SHARE), as P plus
-    a block of P / TAIL_SHARE: one block would do twice the work there (8192 + 8 slots
-    took 1088 us at SmolLM2's batch 256 as 16384, 863 as 8192 + 1024; further past P the
-    single block ran faster: 810 against 874 us at 12000). Past 8192 both shapes spill
-    registers, and the split one was not timed: the single block stays."""
-    block, tail = max(triton.next_power_of_2(span), 16), 0
-    half = block // 2
-    if half in SPLIT_BLOCKS and span - half <= half // TAIL_SHARE:
-        block, tail = half, half // TAIL_SHARE
-    return block, tail, max(MIN_WARPS, min(MAX_WARPS, block // (32 * SCORES_PER_THREAD)))
-
-
 def topk_slots(scores: torch.Tensor, prefix_len: torch.Tensor, budget: torch.Tensor,
                k_cap: int, sum_heads: bool = False,
                reserved: torch.Tensor | None = None) -> torch.Tensor:
@@ -165,7 +145,7 @@ def topk_slots(scores: torch.Tensor, prefix_len: torch.Tensor, budget: torch.Ten
     has_reserved = reserved is not None
     reserved = reserved.contiguous() if has_reserved else prefix_len  # unused placeholder
     out = torch.empty(l, b, groups, k_cap, dtype=torch.long, device=scores.device)
-    block, tail, warps = _launch_shape(s)
+    block, tail, warps = launch.topk_launch(s)
     _topk_slots_kernel[(l * b * groups,)](
         scores, prefix_len, budget, reserved, out,
         scores.stride(0), scores.stride(1), scores.stride(2), b, groups, heads, k_cap,

@@ -11,10 +11,11 @@ As in ``vegas_kernels.verify_attention``, lengths live on the device only: the g
 from the static bound ``max_keys`` and a split count, and each program cuts its own
 slice of ``total = counts[b] + max(positions[b] - tail_start[b] + 1, 0)`` keys, so one
 launch (a captured CUDA graph) serves any key count up to the bound. The splits are
-merged by log-sum-exp straight into out [B, 1, H, D], by the last program of each
-(sequence, KV head) where one merge block holds them (``merges_in_kernel``), else by the
-shared merge kernel; a single split writes out itself. Tiles hold BLOCK_N slots, half
-that when the lists are short and the batch small (``sparse_tiling``).
+merged by log-sum-exp straight into out [B, 1, H, D] (``vegas_kernels.split_merge``), by
+the last program of each (sequence, KV head) where one merge block holds them
+(``launch.merges_in_kernel``), else by the merge launch; a single split writes out
+itself. Tiles hold ``launch.BLOCK_N`` slots, half that when the lists are short and the
+batch small (``launch.sparse_tiling``).
 
 ``reference_sparse_attention`` is the PyTorch ground truth.
 """
@@ -25,43 +26,17 @@ import math
 
 import torch
 
-from vegas_kernels.verify_attention import (BLOCK_N, NARROW_HEAD_DIM, RESIDENT_PER_SM,
-                                            SPLIT_WARPS, block_rows, merge_args,
-                                            merge_partials, merges_in_kernel, split_buffers,
-                                            split_counters, split_stages, splits_for,
-                                            sm_count)
+from vegas_kernels import launch
+from vegas_kernels.split_merge import merge_args, merge_partials, split_buffers, split_counters
 
 try:
     import triton
     import triton.language as tl
 
-    from vegas_kernels.verify_attention import (_merge_if_last, _scaled_scores, _softmax_step,
-                                                _split_range, _store_partials, _store_rows)
+    from vegas_kernels.split_merge import (merge_if_last, scaled_scores, softmax_step,
+                                           split_range, store_partials, store_rows)
 except ImportError:
     triton = None
-
-# Pipeline stages at head dims up to NARROW_HEAD_DIM (SmolLM2's 64): with the list entries
-# prefetched, three stages ran 3-5% slower than two there, while at head dim 128 three
-# beat two by 3-6% (H200, stop 34 in docs/results/step-targets-h200.md).
-NARROW_STAGES = 2
-# A launch whose programs fit in one wave and whose splits hold at most this many tiles
-# (a batch of one or two at 5% of the prefix) runs tiles of half the slots and twice the
-# splits: twice the programs in flight over lists too short to fill each one's pipeline
-# (Qwen3-8B shape, batch 1, 64k / 128k: 12.3 -> 11.0 / 16.2 -> 14.6 us a layer, there).
-SHORT_SPLIT_TILES = 4
-
-
-def sparse_tiling(device: torch.device, programs_per_split: int, max_keys: int
-                  ) -> tuple[int, int]:
-    """-> (splits, slots per tile) of a launch of ``programs_per_split`` (B x H_kv)
-    programs per split over at most ``max_keys`` keys."""
-    splits = splits_for(device, programs_per_split, max_keys)
-    one_wave = programs_per_split * splits <= RESIDENT_PER_SM * sm_count(device)
-    short = math.ceil(math.ceil(max_keys / BLOCK_N) / splits) <= SHORT_SPLIT_TILES
-    if one_wave and short and max_keys > BLOCK_N:  # (a list of one tile stays whole)
-        return 2 * splits, BLOCK_N // 2
-    return splits, BLOCK_N
-
 
 def reference_sparse_attention(q, k, v, positions, indices, counts, tail_start, sinks=None):
     """q [B, 1, H, D]; k, v [B, H_kv, S, D]; positions [B, 1]; indices [B, G, K];
@@ -119,7 +94,7 @@ if triton is not None:
         tail0 = tl.load(TAIL + b * st_b).to(tl.int32)
         pos = tl.load(POS + b * sp_b).to(tl.int32)
         total = count + tl.maximum(pos - tail0 + 1, 0)  # selected slots, then the tail
-        start, end, live = _split_range(0, total, split, splits, BLOCK_N)
+        start, end, live = split_range(0, total, split, splits, BLOCK_N)
         idx_base = IDX + b * si_b + (kvh * si_g if PER_HEAD else 0)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -137,23 +112,23 @@ if triton is not None:
             after = j + BLOCK_N
             listed = tl.load(idx_base + after, mask=(after < end) & (after < count),
                              other=0).to(tl.int32)
-            s = _scaled_scores(q, k, sm_scale, IEEE)
+            s = scaled_scores(q, k, sm_scale, IEEE)
             s = tl.where(in_range[None, :] & row_ok[:, None], s, float("-inf"))
             vt = tl.load(v_head + slot[:, None] * sv_s + dims[None, :], mask=in_range[:, None],
                          other=0.0)
-            m_i, l_i, acc = _softmax_step(s, vt, m_i, l_i, acc, IEEE)
+            m_i, l_i, acc = softmax_step(s, vt, m_i, l_i, acc, IEEE)
         if SINGLE:  # the only split: finish the rows here, no merge launch
-            _store_rows(OUT, OUT, SINKS, b, kvh * G + rows, rows * 0, row_ok, dims, acc, m_i,
-                        l_i, so_b, 0, so_h, 0, 0, 0, row_ok, False, HAS_SINKS)
+            store_rows(OUT, OUT, SINKS, b, kvh * G + rows, rows * 0, row_ok, dims, acc, m_i,
+                       l_i, so_b, 0, so_h, 0, 0, 0, row_ok, False, HAS_SINKS)
         else:
-            _store_partials(ACC, MAX, SUM, LIVE, bh, split, bh * sa_bh + split * sa_sp,
-                            bh * sm_bh + split * sm_sp, sa_m, acc, m_i, l_i, live, start, end,
-                            G, BLOCK_M, D)
+            store_partials(ACC, MAX, SUM, LIVE, bh, split, bh * sa_bh + split * sa_sp,
+                           bh * sm_bh + split * sm_sp, sa_m, acc, m_i, l_i, live, start, end,
+                           G, BLOCK_M, D)
             if MERGE:
-                _merge_if_last(COUNT, ACC, MAX, SUM, SINKS, OUT, LSE, bh, splits, live,
-                               sa_bh, sa_sp, sa_m, sm_bh, sm_sp, so_b, so_t, so_h, sl_b, sl_t,
-                               sl_h, H_KV, G, 1, LANES, MERGE_ROWS, MERGE_DIMS, STORE_LSE,
-                               HAS_SINKS)
+                merge_if_last(COUNT, ACC, MAX, SUM, SINKS, OUT, LSE, bh, splits, live,
+                              sa_bh, sa_sp, sa_m, sm_bh, sm_sp, so_b, so_t, so_h, sl_b, sl_t,
+                              sl_h, H_KV, G, 1, LANES, MERGE_ROWS, MERGE_DIMS, STORE_LSE,
+                              HAS_SINKS)
 
 
 def sparse_attention(q, k, v, positions, indices, counts, tail_start, max_keys: int, *,
@@ -163,26 +138,27 @@ def sparse_attention(q, k, v, positions, indices, counts, tail_start, max_keys: 
     q [B, 1, H, D]; k, v [B, H_kv, S, D] (last dim contiguous); positions [B, 1];
     indices [B, 1 or H_kv, K]; counts, tail_start [B] (any integer dtype); max_keys: a
     static bound on every sequence's key count (selected + tail), which only sizes the
-    grid; splits, block_n: the split count and slots per tile (default ``sparse_tiling``;
-    BLOCK_N when only ``splits`` is given); sinks: [H] or None, logits
-    that join each head's softmax (added once, after the splits). Reads nothing back from the
-    device."""
+    grid; splits, block_n: the split count and slots per tile (default
+    ``launch.sparse_tiling``; ``launch.BLOCK_N`` when only ``splits`` is given); sinks:
+    [H] or None, logits that join each head's softmax (added once, after the splits).
+    Reads nothing back from the device."""
     b, t, h, d = q.shape
     assert t == 1, "drafts attend with one query row"
     h_kv = k.shape[1]
     g = h // h_kv
     dev = q.device
     if splits is None:
-        splits, tiled = sparse_tiling(dev, b * h_kv, max_keys)
+        splits, tiled = launch.sparse_tiling(dev, b * h_kv, max_keys)
         block_n = block_n or tiled
-    block_n = block_n or BLOCK_N
+    block_n = block_n or launch.BLOCK_N
     out = torch.empty(b, 1, h, d, device=dev, dtype=q.dtype)
     # One split finishes its rows itself: no partials to allocate or merge (``out``
     # stands in for their pointers, which that launch never reads).
     single = splits == 1
     partials = None if single else split_buffers(b, h_kv, splits, g, d, dev)
     acc, maxes, sums, live = (out,) * 4 if single else partials
-    counters = (split_counters(dev, b * h_kv) if not single and merges_in_kernel(splits, g, d)
+    counters = (split_counters(dev, b * h_kv)
+                if not single and launch.merges_in_kernel(splits, g, d)
                 else None)
     merge, merge_flags = merge_args(partials, out, None, counters, sinks)
     if indices.stride(-1) != 1:
@@ -194,10 +170,9 @@ def sparse_attention(q, k, v, positions, indices, counts, tail_start, max_keys: 
         indices.stride(0), indices.stride(1), counts.stride(0), tail_start.stride(0),
         acc.stride(0), acc.stride(1), acc.stride(2), maxes.stride(0), maxes.stride(1),
         splits, 1.0 / math.sqrt(d),
-        H_KV=h_kv, G=g, PER_HEAD=indices.shape[1] > 1, D=d, BLOCK_M=block_rows(g),
+        H_KV=h_kv, G=g, PER_HEAD=indices.shape[1] > 1, D=d, BLOCK_M=launch.block_rows(g),
         BLOCK_N=block_n, IEEE=q.dtype == torch.float32, SINGLE=single, **merge_flags,
-        num_warps=SPLIT_WARPS,
-        num_stages=NARROW_STAGES if d <= NARROW_HEAD_DIM else split_stages(d),
+        num_warps=launch.SPLIT_WARPS, num_stages=launch.sparse_stages(d),
     )
     if not single and counters is None:
         merge_partials(partials, out, None, h_kv, g, 1, sinks)

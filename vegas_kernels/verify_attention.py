@@ -14,14 +14,14 @@ the end do nothing. The same launch is therefore correct for any length up to th
 which is what a CUDA graph captured once and replayed as the sequences grow needs.
 
 Tiles wholly below every row's position (all but the window's own tiles and the range's
-end) need no mask at all, so they run on a mask-free path. Partial results of the
-splits ([B * H_kv, splits, G * T, D] plus row maxima and sums, float32; empty splits
-store nothing) are merged by log-sum-exp in a second small kernel, which writes ``out``
-[B, T, H, D] (q's dtype) and ``lse`` [B, T, H] (float32) in their final layout, even
-with one split: finishing the rows inside this kernel made a decode step's attention 9%
-slower at SmolLM2's batch 64 on the H200 (109 against 100 us per layer at 8k; the sparse
-draft kernel, which gained from it, does so). A row that sees no slot gets out 0 and lse
--inf.
+end) need no mask at all, so they run on a mask-free path. The splits' partial rows are
+merged by log-sum-exp (``vegas_kernels.split_merge``) into ``out`` [B, T, H, D] (q's
+dtype) and ``lse`` [B, T, H] (float32): by the last program of each (sequence, KV head)
+where one merge block holds its splits (``launch.merges_in_kernel``), else by a merge
+launch. Even one split stores partials and merges: finishing the rows inside this kernel
+made a decode step's attention 9% slower at SmolLM2's batch 64 on the H200 (109 against
+100 us per layer at 8k, 9cbf295; the sparse draft kernel, which gained from it, does so).
+A row that sees no slot gets out 0 and lse -inf.
 
 A sliding ``window`` (hybrid models' local layers) limits row r to the slots
 ``positions[b, r] - window < s <= positions[b, r]``: the splits then cut only the slots
@@ -36,14 +36,11 @@ rows of ``weight[row] * q.k / sqrt(d)`` (visible slots only), shape [B, H_kv, kv
 the slots beyond the prefix anyway. The sum is linear in the queries, so in a tile every
 row sees it is one dot of K with the weighted query sum ``sum_r weight[r] * q[r]`` (kept
 as a bfloat16/float16 pair, high and low part, so its rounding stays near float32's)
-when the packed rows are DOT_SUM_ROWS or more: summing the main tile's columns there
-crosses warps (a shared-memory reduction per tile): at SmolLM2's 33 rows (gamma 10) on
-the H200 a verify with scores cost 1.76-1.92x a plain one that way, 1.12-1.16x with the
-dot (docs/results/verify-scores-h200.md). Tiles with per-row masks sum the rows as
-before.
+when the packed rows are ``launch.DOT_SUM_ROWS`` or more, where summing the main tile's
+columns would cross warps (a shared-memory reduction per tile). Tiles with per-row masks
+sum the rows.
 
 ``reference_verify_attention`` is the PyTorch ground truth for all three outputs.
-The split/merge machinery here is shared with ``vegas_kernels.sparse_attention``.
 """
 
 from __future__ import annotations
@@ -52,98 +49,21 @@ import math
 
 import torch
 
+from vegas_kernels import launch
+from vegas_kernels.split_merge import merge_args, merge_partials, split_buffers, split_counters
+
 try:
     import triton
     import triton.language as tl
+
+    from vegas_kernels.split_merge import (merge_if_last, scaled_scores, softmax_step,
+                                           split_range, store_partials)
 except ImportError:  # CPU-only installs: the reference path is used
     triton = None
 
-BLOCK_N = 64  # key slots per tile
-# Heads this narrow (SmolLM2's 64) take tiles of NARROW_BLOCK_N slots: a tile of the same
-# bytes as a 64-slot tile of head dim 128; at 64 slots the split kernel ran 1.1-1.3x the
-# K+V floor at batch 64-256 (docs/results/decode-configs-smollm2-h200.md).
-NARROW_HEAD_DIM = 64
-NARROW_BLOCK_N = 128
 # The window of a layer without one: wider than any cache, small enough that position
 # arithmetic in 32 bits never overflows.
 NO_WINDOW = 1 << 30
-MIN_BLOCK_M = 16  # tl.dot needs at least 16 rows
-# Tiles this tall (the first that spreads its rows over warps) sum their fused scores by
-# a dot with the weighted query sum rather than by a column sum of the tile.
-DOT_SUM_ROWS = 64
-MIN_HEAD_DIM = 16  # and a reduction of at least 16
-# Split-kernel programs one SM runs at once (by shared memory, at BLOCK_N 64, head dim
-# 128): the split count fills whole waves of them (docs/results/decode-configs-h200.md).
-RESIDENT_PER_SM = 2
-# A last wave of programs filled below this share leaves SMs idle while it runs: the split
-# count grows until the last wave is filled this well, within MAX_SPLIT_WAVES waves. At
-# SmolLM2's 3 KV heads one split left it 73% full at batch 64 and 128; 4 and 2 splits
-# fill 97%, and a 7-row verify with fused scores ran 16-21% faster (H200,
-# docs/results/verify-splits-smollm2-h200.md).
-MIN_LAST_WAVE_FILL = 0.9
-MAX_SPLIT_WAVES = 4
-SPLIT_WARPS = 4  # launch options of the split kernels (Triton's defaults)
-SPLIT_STAGES = 3
-# Head dims above this (Gemma3's 256) pipeline two K/V tiles, not three: three 64 x 256
-# bf16 K and V tiles take 192 KiB of shared memory, near an H200 SM's 227 KiB.
-WIDE_HEAD_DIM = 128
-
-
-def split_stages(d: int) -> int:
-    """Pipeline stages of the split kernels for head dim ``d``."""
-    return SPLIT_STAGES if d <= WIDE_HEAD_DIM else SPLIT_STAGES - 1
-
-
-def tile_slots(d: int) -> int:
-    """Key slots per tile of the verify/decode split kernel for head dim ``d``."""
-    return NARROW_BLOCK_N if d <= NARROW_HEAD_DIM else BLOCK_N
-
-
-MERGE_MAX_LANES = 128  # splits a merge program reads at once (independent loads in flight)
-MERGE_TILE = 4096  # elements of a merge program's [lanes, rows, dims] running sums
-MERGE_MIN_DIMS = 16  # narrowest slice of the head dim one merge program takes
-
-
-def supported(q: torch.Tensor) -> bool:
-    """Head dims the kernels handle (a power of two of at least 16)."""
-    d = q.shape[-1]
-    return d >= MIN_HEAD_DIM and d & (d - 1) == 0
-
-
-def split_count(programs_per_split: int, tiles: int, sms: int) -> int:
-    """Splits of the key range per (sequence, KV head), for ``programs_per_split`` (B x H_kv)
-    programs per split, ``tiles`` key tiles under the static bound and ``sms`` SMs.
-
-    At least as many as make one whole wave of RESIDENT_PER_SM programs per SM; more
-    while the programs would fill their last wave less than MIN_LAST_WAVE_FILL and stay
-    within MAX_SPLIT_WAVES waves (the best-filled count if none gets there). Never more
-    than the tiles."""
-    wave = RESIDENT_PER_SM * sms
-    programs = max(programs_per_split, 1)
-    one_wave = max(1, wave // programs)
-    best, best_fill = one_wave, 0.0
-    for splits in range(one_wave, max(one_wave, MAX_SPLIT_WAVES * wave // programs) + 1):
-        launched = programs * splits
-        fill = launched / (math.ceil(launched / wave) * wave)
-        if fill > best_fill:
-            best, best_fill = splits, fill
-        if fill >= MIN_LAST_WAVE_FILL:
-            break
-    return max(1, min(best, tiles))
-
-
-def splits_for(device: torch.device, programs_per_split: int, bound: int,
-               block_n: int = BLOCK_N) -> int:
-    """``split_count`` on ``device``'s SMs (one on a CPU) for a key bound of ``bound``
-    slots in ``block_n``-slot tiles."""
-    return split_count(programs_per_split, math.ceil(bound / block_n), sm_count(device))
-
-
-def sm_count(device: torch.device) -> int:
-    """SMs of ``device`` (one for a CPU, where the interpreter runs the kernels)."""
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def reference_verify_attention(q, k, v, positions, kv_len, row_weights=None, window=None,
@@ -179,171 +99,7 @@ if triton is not None:
     # float16's largest finite value is 65504: kept edge logits are clamped inside it
     # (a logit that large makes its row's softmax one-hot either way).
     EDGE_LOGIT_LIMIT = tl.constexpr(60000.0)
-    MIN_SUM_M = tl.constexpr(MIN_BLOCK_M)  # rows of q_sum: tl.dot needs 16
-
-    @triton.jit
-    def _scaled_scores(a, b, sm_scale, IEEE: tl.constexpr):
-        """a [M, D] . b [N, D]^T * scale; exact float32 products for float32 inputs."""
-        if IEEE:
-            return tl.dot(a, tl.trans(b), input_precision="ieee") * sm_scale
-        return tl.dot(a, tl.trans(b)) * sm_scale
-
-    @triton.jit
-    def _softmax_step(s, vt, m_i, l_i, acc, IEEE: tl.constexpr):
-        """One online-softmax step over a tile of masked scores s [M, N] and values
-        vt [N, D]; rows with nothing visible yet keep max -inf and add nothing."""
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
-        return m_new, l_i, acc
-
-    @triton.jit
-    def _split_range(low, total, split, splits, BLOCK_N: tl.constexpr):
-        """This split's slice [start, end) of the keys [low, total) cut into ``splits``
-        slices of whole tiles (end == start when empty), and how many slices are
-        non-empty. Never a zero-sized slice, so an empty key range gives no live split
-        rather than a division by zero."""
-        n = total - low
-        tiles = tl.maximum(tl.cdiv(tl.cdiv(n, splits), BLOCK_N), 1)
-        split_size = tiles * BLOCK_N
-        start = low + split * split_size
-        end = tl.maximum(tl.minimum(start + split_size, total), start)
-        return start, end, tl.cdiv(n, split_size)
-
-    @triton.jit
-    def _store_partials(ACC, MAX, SUM, LIVE, bh, split, acc_base, stat_base, sa_m,
-                        acc, m_i, l_i, live, start, end,
-                        ROWS: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr):
-        """Store a split's ROWS valid rows; an empty split stores nothing, since the
-        merge reads only the ``live`` splits (written per (sequence, KV head) by split 0)."""
-        rows = tl.arange(0, BLOCK_M)
-        # One comparison, not row_ok & scalar: the interpreter mistypes that mask.
-        keep = rows < tl.where(start < end, ROWS, 0)
-        tl.store(ACC + acc_base + rows[:, None] * sa_m + tl.arange(0, D)[None, :], acc,
-                 mask=keep[:, None])
-        tl.store(MAX + stat_base + rows, m_i, mask=keep)
-        tl.store(SUM + stat_base + rows, l_i, mask=keep)
-        if split == 0:
-            tl.store(LIVE + bh, live.to(tl.int32))
-
-    @triton.jit
-    def _store_rows(OUT, LSE, SINKS, b, head, trow, row_ok, dims, acc, top, total,
-                    so_b, so_t, so_h, sl_b, sl_t, sl_h, lse_rows,
-                    STORE_LSE: tl.constexpr, HAS_SINKS: tl.constexpr):
-        """Finish rows of an online softmax (running max ``top``, sum ``total``,
-        unnormalised ``acc`` [ROWS, DIMS]): add the sink, normalise, store out, and with
-        STORE_LSE the lse of the rows ``lse_rows``. A row that saw nothing gets out 0
-        (not NaN) and lse -inf."""
-        top_safe = tl.where(top == float("-inf"), 0.0, top)
-        if HAS_SINKS:
-            # The sink: one more slot of the softmax, logit sinks[head], value 0.
-            sink = tl.load(SINKS + head, mask=row_ok, other=0.0)
-            with_sink = tl.maximum(top, sink)
-            rescale = tl.exp(top - with_sink)  # 0 for a row that saw no slot
-            total = total * rescale + tl.exp(sink - with_sink)
-            acc = acc * rescale[:, None]
-            top_safe = with_sink
-        seen = total > 0.0
-        out = acc / tl.where(seen, total, 1.0)[:, None]
-        tl.store(OUT + b * so_b + trow[:, None] * so_t + head[:, None] * so_h + dims[None, :],
-                 out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
-        if STORE_LSE:
-            lse = tl.where(seen, top_safe + tl.log(tl.where(seen, total, 1.0)), float("-inf"))
-            tl.store(LSE + b * sl_b + trow * sl_t + head * sl_h, lse, mask=lse_rows)
-
-    @triton.jit
-    def _merge_block(ACC, MAX, SUM, SINKS, OUT, LSE, bh, rows, dims, live, lse_rows,
-                     sa_bh, sa_sp, sa_m, sm_bh, sm_sp, so_b, so_t, so_h, sl_b, sl_t, sl_h,
-                     H_KV: tl.constexpr, G: tl.constexpr, T: tl.constexpr,
-                     LANES: tl.constexpr, ROWS: tl.constexpr, DIMS: tl.constexpr,
-                     STORE_LSE: tl.constexpr, HAS_SINKS: tl.constexpr):
-        """Merge the ``live`` splits' partials of packed rows ``rows`` [ROWS] and head dims
-        ``dims`` [DIMS] of one (sequence, KV head) and store them (the lse of
-        ``lse_rows``). Lane j merges splits j, j + LANES, ... with an element-wise online
-        log-sum-exp, then the lanes are merged once. LANES covers every split up to
-        MERGE_MAX_LANES, so the loop usually runs once: all loads are in flight together
-        and the merge costs one memory round trip, not one per split. The loads bypass
-        L1: in a split kernel's last program (``_merge_if_last``) L1 may hold lines that
-        other SMs have written since."""
-        row_ok = rows < G * T
-        b = bh // H_KV
-        kvh = bh % H_KV
-        lanes = tl.arange(0, LANES)
-        m_lane = tl.full([LANES, ROWS], float("-inf"), tl.float32)
-        l_lane = tl.zeros([LANES, ROWS], tl.float32)
-        acc_lane = tl.zeros([LANES, ROWS, DIMS], tl.float32)
-        for s0 in range(0, live, LANES):
-            split = s0 + lanes
-            ok = (split[:, None] < live) & row_ok[None, :]  # [LANES, ROWS]
-            stat = bh * sm_bh + split[:, None] * sm_sp + rows[None, :]
-            m = tl.load(MAX + stat, mask=ok, other=float("-inf"), cache_modifier=".cg")
-            l = tl.load(SUM + stat, mask=ok, other=0.0, cache_modifier=".cg")
-            a = tl.load(ACC + bh * sa_bh + split[:, None, None] * sa_sp
-                        + rows[None, :, None] * sa_m + dims[None, None, :],
-                        mask=ok[:, :, None], other=0.0, cache_modifier=".cg")
-            m_new = tl.maximum(m_lane, m)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m_lane - m_safe)  # both factors are 0 for a -inf max
-            beta = tl.exp(m - m_safe)
-            l_lane = l_lane * alpha + l * beta
-            acc_lane = acc_lane * alpha[:, :, None] + a * beta[:, :, None]
-            m_lane = m_new
-        top = tl.max(m_lane, axis=0)  # [ROWS]
-        top_safe = tl.where(top == float("-inf"), 0.0, top)
-        scale = tl.exp(m_lane - top_safe[None, :])
-        total = tl.sum(l_lane * scale, axis=0)
-        acc = tl.sum(acc_lane * scale[:, :, None], axis=0)  # [ROWS, DIMS]
-        _store_rows(OUT, LSE, SINKS, b, kvh * G + rows // T, rows % T, row_ok, dims, acc, top,
-                    total, so_b, so_t, so_h, sl_b, sl_t, sl_h, lse_rows, STORE_LSE, HAS_SINKS)
-
-    @triton.jit
-    def _merge_kernel(
-        ACC, MAX, SUM, LIVE, SINKS, OUT, LSE,
-        sa_bh, sa_sp, sa_m, sm_bh, sm_sp, so_b, so_t, so_h, sl_b, sl_t, sl_h,
-        H_KV: tl.constexpr, G: tl.constexpr, T: tl.constexpr, D: tl.constexpr,
-        LANES: tl.constexpr, ROWS: tl.constexpr, DIMS: tl.constexpr,
-        STORE_LSE: tl.constexpr, HAS_SINKS: tl.constexpr,
-    ):
-        """One program per (sequence * KV head, block of ROWS packed rows, block of DIMS
-        head dims): ``_merge_block``."""
-        bh = tl.program_id(0)
-        rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
-        dims = tl.program_id(2) * DIMS + tl.arange(0, DIMS)
-        # The lse once per row (by the programs of the first dims block); one comparison,
-        # not row_ok & scalar, which the interpreter mistypes.
-        lse_rows = rows < tl.where(tl.program_id(2) == 0, G * T, 0)
-        _merge_block(ACC, MAX, SUM, SINKS, OUT, LSE, bh, rows, dims, tl.load(LIVE + bh),
-                     lse_rows, sa_bh, sa_sp, sa_m, sm_bh, sm_sp, so_b, so_t, so_h, sl_b, sl_t,
-                     sl_h, H_KV, G, T, LANES, ROWS, DIMS, STORE_LSE, HAS_SINKS)
-
-    @triton.jit
-    def _merge_if_last(COUNT, ACC, MAX, SUM, SINKS, OUT, LSE, bh, splits, live,
-                       sa_bh, sa_sp, sa_m, sm_bh, sm_sp, so_b, so_t, so_h, sl_b, sl_t, sl_h,
-                       H_KV: tl.constexpr, G: tl.constexpr, T: tl.constexpr,
-                       LANES: tl.constexpr, ROWS: tl.constexpr, DIMS: tl.constexpr,
-                       STORE_LSE: tl.constexpr, HAS_SINKS: tl.constexpr):
-        """Run by every program of a split kernel once its partials are stored: the last
-        of a (sequence, KV head)'s ``splits`` programs to arrive merges them all in one
-        block (``_merge_block``; ``merges_in_kernel`` says when one block holds them) and
-        sets its counter back to 0 for the next launch."""
-        # A CTA barrier, then the ticket with release semantics at GPU scope: every
-        # thread's partials are visible before the counter moves. The last program's
-        # acquire orders its loads after all the others' stores.
-        tl.debug_barrier()
-        ticket = tl.atomic_add(COUNT + bh, 1, sem="acq_rel", scope="gpu")
-        if ticket == splits - 1:
-            tl.atomic_xchg(COUNT + bh, 0, sem="relaxed", scope="gpu")
-            rows = tl.arange(0, ROWS)
-            _merge_block(ACC, MAX, SUM, SINKS, OUT, LSE, bh, rows, tl.arange(0, DIMS), live,
-                         rows < G * T, sa_bh, sa_sp, sa_m, sm_bh, sm_sp, so_b, so_t, so_h,
-                         sl_b, sl_t, sl_h, H_KV, G, T, LANES, ROWS, DIMS, STORE_LSE,
-                         HAS_SINKS)
+    MIN_SUM_M = tl.constexpr(launch.MIN_BLOCK_M)  # rows of q_sum: tl.dot needs 16
 
     @triton.jit
     def _store_edges(edges_head, side_rows, keep, slots, s, se_r):
@@ -378,10 +134,10 @@ if triton is not None:
         v_ptrs = v_head + slots[:, None] * sv_s + dims[None, :]
         if VISIBLE:
             k = tl.load(k_ptrs)
-            s = _scaled_scores(q, k, sm_scale, IEEE)
+            s = scaled_scores(q, k, sm_scale, IEEE)
             if COLLECT and DOT_SUM:
                 tl.store(scores_head + slots,
-                         tl.sum(_scaled_scores(q_sum, k, sm_scale, IEEE), axis=0))
+                         tl.sum(scaled_scores(q_sum, k, sm_scale, IEEE), axis=0))
             elif COLLECT:
                 # The weighted column sum of the dot's own output: K stays a pure dot
                 # operand, so its shared-memory tile keeps the swizzled layout (a second
@@ -389,26 +145,26 @@ if triton is not None:
                 # Padding rows have q = 0 and weight 0: they add nothing.
                 tl.store(scores_head + slots, tl.sum(s * weight[:, None], axis=0))
             if KEEP_EDGES:
-                s_side = _scaled_scores(q_side, k, sm_scale, IEEE)
+                s_side = scaled_scores(q_side, k, sm_scale, IEEE)
                 _store_edges(edges_head, side_rows, side_ok[:, None], slots, s_side, se_r)
             vt = tl.load(v_ptrs)
         else:
             in_range = slots < end
             k = tl.load(k_ptrs, mask=in_range[:, None], other=0.0)
-            s = _scaled_scores(q, k, sm_scale, IEEE)
+            s = scaled_scores(q, k, sm_scale, IEEE)
             visible = ((slots[None, :] <= pos[:, None]) & (slots[None, :] > pos[:, None] - window)
                        & in_range[None, :] & row_ok[:, None])
             if COLLECT:
                 collected = tl.sum(tl.where(visible, s, 0.0) * weight[:, None], axis=0)
                 tl.store(scores_head + slots, collected, mask=in_range)
             if KEEP_EDGES:
-                s_side = _scaled_scores(q_side, k, sm_scale, IEEE)
+                s_side = scaled_scores(q_side, k, sm_scale, IEEE)
                 seen = slots[None, :] <= side_pos[:, None]  # edge layers have no window
                 _store_edges(edges_head, side_rows, side_ok[:, None] & in_range[None, :],
                              slots, tl.where(seen, s_side, float("-inf")), se_r)
             vt = tl.load(v_ptrs, mask=in_range[:, None], other=0.0)
             s = tl.where(visible, s, float("-inf"))
-        return _softmax_step(s, vt, m_i, l_i, acc, IEEE)
+        return softmax_step(s, vt, m_i, l_i, acc, IEEE)
 
     @triton.jit
     def _verify_split_kernel(
@@ -482,7 +238,7 @@ if triton is not None:
             low = tl.minimum(tl.maximum(first_pos - window + 1, 0), total)
         else:
             low = total * 0
-        start, end, live = _split_range(low, total, split, splits, BLOCK_N)
+        start, end, live = split_range(low, total, split, splits, BLOCK_N)
         # Whole tiles inside every row's window and below every row's position: visible
         # to all rows. Before them, the tiles where a sliding window starts; after, the
         # verify window's own tiles and the range's end. Without a window there is no
@@ -518,127 +274,18 @@ if triton is not None:
                                          row_ok, side_ok, m_i, l_i, acc, sk_s, sv_s, se_r,
                                          sm_scale, BLOCK_N, D, SIDE_M, COLLECT, DOT_SUM,
                                          KEEP_EDGES, IEEE, False)
-        _store_partials(ACC, MAX, SUM, LIVE, bh, split, bh * sa_bh + split * sa_sp,
-                        bh * sm_bh + split * sm_sp, sa_m, acc, m_i, l_i, live, start, end,
-                        G * T, BLOCK_M, D)
+        store_partials(ACC, MAX, SUM, LIVE, bh, split, bh * sa_bh + split * sa_sp,
+                       bh * sm_bh + split * sm_sp, sa_m, acc, m_i, l_i, live, start, end,
+                       G * T, BLOCK_M, D)
         if MERGE:
-            _merge_if_last(COUNT, ACC, MAX, SUM, SINKS, OUT, LSE, bh, splits, live, sa_bh,
-                           sa_sp, sa_m, sm_bh, sm_sp, so_b, so_t, so_h, sl_b, sl_t, sl_h,
-                           H_KV, G, T, LANES, MERGE_ROWS, MERGE_DIMS, STORE_LSE, HAS_SINKS)
+            merge_if_last(COUNT, ACC, MAX, SUM, SINKS, OUT, LSE, bh, splits, live, sa_bh,
+                          sa_sp, sa_m, sm_bh, sm_sp, so_b, so_t, so_h, sl_b, sl_t, sl_h,
+                          H_KV, G, T, LANES, MERGE_ROWS, MERGE_DIMS, STORE_LSE, HAS_SINKS)
 
 
 def edge_rows(t: int) -> int:
     """Window rows whose logits ``edge_logits`` keeps: the first and last (one if T == 1)."""
     return 2 if t > 1 else 1
-
-
-def block_rows(rows: int) -> int:
-    """Tile height for ``rows`` packed query rows."""
-    return max(MIN_BLOCK_M, triton.next_power_of_2(rows))
-
-
-def split_buffers(b: int, h_kv: int, splits: int, rows: int, d: int, device):
-    """Per-split partials: acc [B * H_kv, splits, rows, D], row maxima and sums
-    [B * H_kv, splits, rows] (float32), and the live split count [B * H_kv] (int32).
-    Nothing is initialised: the split kernel writes what the merge reads."""
-    acc = torch.empty(b * h_kv, splits, rows, d, device=device, dtype=torch.float32)
-    maxes = torch.empty(b * h_kv, splits, rows, device=device, dtype=torch.float32)
-    live = torch.empty(b * h_kv, device=device, dtype=torch.int32)
-    return acc, maxes, torch.empty_like(maxes), live
-
-
-def merge_tile(splits: int, rows: int, d: int) -> tuple[int, int, int]:
-    """-> (lanes, dims, rows) of a merge block: a lane per split (up to the cap), then as
-    much of the head dim and as many rows as keep the lanes x rows x dims tile within
-    budget."""
-    lanes = min(triton.next_power_of_2(splits), MERGE_MAX_LANES)
-    dims = min(d, max(MERGE_MIN_DIMS, MERGE_TILE // lanes))
-    block = max(1, min(triton.next_power_of_2(rows), MERGE_TILE // (lanes * dims)))
-    return lanes, dims, block
-
-
-def merge_partials(partials, out: torch.Tensor, lse: torch.Tensor | None, h_kv: int,
-                   g: int, t: int, sinks: torch.Tensor | None = None) -> None:
-    """Merge ``split_buffers`` into out [B, T, H, D] and, when given, lse [B, T, H];
-    ``sinks`` [H] join each row's softmax (see the module docstring). A launch of its
-    own: more, smaller programs than a split kernel's last program has."""
-    acc, maxes, sums, live = partials
-    bh, splits, rows, d = acc.shape
-    lanes, dims, block = merge_tile(splits, rows, d)
-    lse_arg = lse if lse is not None else out  # unused placeholder pointer
-    lse_strides = lse.stride() if lse is not None else (0, 0, 0)
-    sinks_arg = sinks.float().contiguous() if sinks is not None else maxes  # placeholder
-    _merge_kernel[(bh, triton.cdiv(rows, block), d // dims)](
-        acc, maxes, sums, live, sinks_arg, out, lse_arg,
-        acc.stride(0), acc.stride(1), acc.stride(2), maxes.stride(0), maxes.stride(1),
-        out.stride(0), out.stride(1), out.stride(2), *lse_strides,
-        H_KV=h_kv, G=g, T=t, D=d, LANES=lanes, ROWS=block, DIMS=dims,
-        STORE_LSE=lse is not None, HAS_SINKS=sinks is not None,
-    )
-
-
-def merges_in_kernel(splits: int, rows: int, d: int) -> bool:
-    """Whether a split kernel's last programs merge its partials: when one merge block
-    (``merge_tile``) holds all of a (sequence, KV head)'s splits, rows and head dims, so
-    that the last program merges in one memory round trip. Larger merges (many splits at
-    a small batch, or many rows) keep a merge launch of their own, whose programs share
-    the work: merged block by block in the last program, a Qwen3-8B draft step at batch 1
-    / 64k (33 splits) took 5.19 ms against 4.70 (H200)."""
-    lanes, dims, block = merge_tile(splits, rows, d)
-    return lanes >= splits and dims == d and block >= rows
-
-
-_counters: dict[torch.device, torch.Tensor] = {}
-# Buffers replaced by larger ones stay allocated: a CUDA graph captured with one keeps
-# its address, and memory handed back to the allocator could be another tensor's (whose
-# values would break the counts) by the time that graph replays.
-_retired_counters: list[torch.Tensor] = []
-
-
-def split_counters(device, n: int) -> torch.Tensor | None:
-    """Zeroed int32 counters [>= n] for the split kernels' last-program merge, one per
-    (sequence, KV head): every program of a launch adds 1 and the last one sets its
-    counter back to 0, so the buffer is reused, zeroed, by every launch on ``device``
-    (launches on one stream at a time, as the engine's are). None while a CUDA graph is
-    captured with no buffer of that size yet: allocating one then would record it in the
-    graph's private pool, so that launch merges in a kernel of its own (the engine's
-    eager warm-up runs allocate it before any capture)."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    have = _counters.get(device)
-    if have is None or have.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        if have is not None:
-            _retired_counters.append(have)
-        have = torch.zeros(max(n, 2 * (0 if have is None else have.numel())),
-                           device=device, dtype=torch.int32)
-        _counters[device] = have
-    return have
-
-
-def merge_args(partials, out: torch.Tensor, lse: torch.Tensor | None, counters,
-               sinks: torch.Tensor | None) -> tuple[list, dict]:
-    """The split kernels' merge arguments (pointers, strides, constexprs) for a launch
-    that merges in its last programs (``counters`` given) or leaves the partials to
-    ``merge_partials`` (``counters`` None: MERGE off); ``partials`` None for a launch
-    with no partials."""
-    if partials is None:  # a launch that finishes its rows itself: placeholders
-        lanes = dims = block = 1
-        live = out
-    else:
-        live = partials[3]
-        _, splits, rows, d = partials[0].shape
-        lanes, dims, block = merge_tile(splits, rows, d)
-    lse_arg = lse if lse is not None else out  # placeholder pointer
-    lse_strides = lse.stride() if lse is not None else (0, 0, 0)
-    sinks_arg = sinks.float().contiguous() if sinks is not None else out  # placeholder
-    args = [counters if counters is not None else live, sinks_arg, out, lse_arg,
-            out.stride(0), out.stride(1), out.stride(2), *lse_strides]
-    flags = dict(MERGE=counters is not None, LANES=lanes, MERGE_ROWS=block, MERGE_DIMS=dims,
-                 STORE_LSE=lse is not None, HAS_SINKS=sinks is not None)
-    return args, flags
 
 
 def scores_home(scores_out, b: int, h_kv: int, kv_len: int, device) -> torch.Tensor:
@@ -681,8 +328,8 @@ def verify_attention(q, k, v, positions, kv_len: int, row_weights=None, *, score
     dev = q.device
     # With a window, a sequence's rows see at most window + T - 1 slots.
     bound = kv_len if window is None else min(kv_len, window + t - 1)
-    block_n = tile_slots(d)
-    splits = splits or splits_for(dev, b * h_kv, bound, block_n)
+    block_n = launch.tile_slots(d)
+    splits = splits or launch.splits_for(dev, b * h_kv, bound, block_n)
     partials = split_buffers(b, h_kv, splits, g * t, d, dev)
     acc, maxes, sums, live = partials
     collect = row_weights is not None
@@ -697,7 +344,7 @@ def verify_attention(q, k, v, positions, kv_len: int, row_weights=None, *, score
              if edge_logits else maxes)  # placeholder pointer
     out = torch.empty(b, t, h, d, device=dev, dtype=q.dtype)
     lse = torch.empty(b, t, h, device=dev, dtype=torch.float32)
-    counters = (split_counters(dev, b * h_kv) if merges_in_kernel(splits, g * t, d)
+    counters = (split_counters(dev, b * h_kv) if launch.merges_in_kernel(splits, g * t, d)
                 else None)
     merge, merge_flags = merge_args(partials, out, lse, counters, sinks)
     _verify_split_kernel[(b * h_kv, splits)](
@@ -708,11 +355,11 @@ def verify_attention(q, k, v, positions, kv_len: int, row_weights=None, *, score
         acc.stride(0), acc.stride(1), acc.stride(2), maxes.stride(0), maxes.stride(1),
         scores.stride(0), scores.stride(1), edges.stride(0), edges.stride(1), edges.stride(2),
         kv_len, NO_WINDOW if window is None else window, splits, 1.0 / math.sqrt(d),
-        H_KV=h_kv, G=g, T=t, D=d, BLOCK_M=block_rows(g * t), BLOCK_N=block_n,
-        COLLECT=collect, DOT_SUM=block_rows(g * t) >= DOT_SUM_ROWS,
-        SIDE_M=block_rows(edge_rows(t) * g if edge_logits else 1),
+        H_KV=h_kv, G=g, T=t, D=d, BLOCK_M=launch.block_rows(g * t), BLOCK_N=block_n,
+        COLLECT=collect, DOT_SUM=launch.block_rows(g * t) >= launch.DOT_SUM_ROWS,
+        SIDE_M=launch.block_rows(edge_rows(t) * g if edge_logits else 1),
         KEEP_EDGES=edge_logits, WINDOWED=window is not None, IEEE=q.dtype == torch.float32,
-        **merge_flags, num_warps=SPLIT_WARPS, num_stages=split_stages(d),
+        **merge_flags, num_warps=launch.SPLIT_WARPS, num_stages=launch.split_stages(d),
     )
     if counters is None:
         merge_partials(partials, out, lse, h_kv, g, t, sinks)

@@ -18,21 +18,45 @@ import os
 import shlex
 import sys
 import warnings
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
 import typer
 from rich.console import Console
 
+from vegas_core.backend import attention_backend
 from vegas_core.cli import EXIT_INTERRUPTED, run_app, show_defaults
 from vegas_core.errors import VegasError
-from vegas_tune.preflight import check_device, check_tune, check_values, flag
-from vegas_tune.progress import ProgressReporter
+from vegas_core.loading import load_model
+from vegas_core.loading.embedded import DEFAULT_MODEL, embedded_path
+from vegas_core.spec_config import SpecConfig
+from vegas_core.yamlio import read_yaml
+from vegas_tune import pipeline
+from vegas_tune.datasets import check_dataset, load_prompts
+from vegas_tune.export import check_target, recommendation_note, render_export
+from vegas_tune.grid import (GRID_BEST, GRID_TOP, GridResult, compare as race_configs,
+                             grid_markdown, grid_points, parse_gammas, partial_path,
+                             read_partial, regret_words, run_grid, spec_of_row, write_json,
+                             write_partial)
+from vegas_tune.hardware import fingerprint
+from vegas_tune.measure import Measurer, Workload, interleave, series_attrs
 from vegas_tune.options import (DEFAULT_WORDS, TuneOptions, option_default, option_default_text,
                                 option_help, option_names, parse_budgets, parse_target)
-from vegas_tune.space import tuned_words
-from vegas_tune.tuner import batch_sizes, parse_ctx
-from vegas_tune.workers import COMMAND_ENV, WORKER_ENV, parse_devices
+from vegas_tune.pipeline import STUDY_HARDWARE_KEYS, git_revision, settings_fingerprint
+from vegas_tune.preflight import (check_device, check_model_size, check_tune, check_values,
+                                  flag)
+from vegas_tune.profile import diff_profiles, load_profile, profile_to_dict
+from vegas_tune.progress import ProgressReporter
+from vegas_tune.settings import TuneSettings, study_location
+from vegas_tune.space import longest_prefix, tuned_words
+from vegas_tune.stats import Estimate
+from vegas_tune.steps import min_new_tokens
+from vegas_tune.studies import check_study
+from vegas_tune.tuner import batch_sizes, parse_ctx, usable_budgets
+from vegas_tune.workers import (COMMAND_ENV, WORKER_ENV, parse_devices, resolve_devices,
+                                run_workers)
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
                   help="Tune Vegas self-speculative decoding for a model, GPU and context "
@@ -172,8 +196,6 @@ def _read_config(config_file: Path) -> dict[str, Any]:
         text = config_file.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise VegasError(f"--config {config_file}: cannot read it as UTF-8 text ({e})") from None
-    from vegas_tune.profile import read_yaml
-
     # read_yaml refuses anchors and aliases (a "billion laughs" file) and huge texts.
     loaded = read_yaml(text, str(config_file)) or {}
     if not isinstance(loaded, dict):
@@ -259,8 +281,6 @@ def tune(
 ) -> int:
     """Tune (sweep, extend, focus, race at each batch size) and write a profile, its trials,
     plots and report."""
-    from vegas_tune.pipeline import TuneSettings, run_tune
-
     flags = {k: v for k, v in locals().items() if k not in ("config", "debug", "json_out")}
     flags["json"] = json_out
     s = resolve_settings(flags, config)
@@ -293,7 +313,8 @@ def tune(
         # whose stderr carries progress lines and one-line errors.
         warnings.filterwarnings("ignore", message=".*heartbeat_interval.*")
         try:
-            summary, code = run_tune(settings, progress)
+            # Looked up at call time: tests stand in for pipeline.run_tune.
+            summary, code = pipeline.run_tune(settings, progress)
         except KeyboardInterrupt:
             log.warning("interrupted: finished trials are kept in the storage; rerun with --resume")
             raise
@@ -309,13 +330,6 @@ def tune(
 
 def _tune_on_devices(settings, s: Settings) -> int:
     """--devices: settle the study here, then one worker per device (vegas_tune.workers)."""
-    from dataclasses import replace
-
-    from vegas_tune.hardware import fingerprint
-    from vegas_tune.pipeline import settings_fingerprint, study_location
-    from vegas_tune.studies import check_study
-    from vegas_tune.workers import resolve_devices, run_workers
-
     devices = resolve_devices(s["devices"])
     first = replace(settings, device="cuda" if devices[0].startswith("cuda") else "cpu")
     check_tune(first, s.labels)
@@ -364,8 +378,6 @@ def _result_words(results: dict, name: str, unit: str, digits: int) -> str:
     """``1.42x [1.38, 1.46]``: a profile result with its confidence interval; ``1.42x
     (1 round)`` where it has none (one round), ``not measured`` where it has no value (a
     run cut short)."""
-    from vegas_tune.stats import Estimate
-
     value, interval = results.get(name), results.get(f"{name}_interval")
     if value is None:
         return "not measured"
@@ -399,12 +411,6 @@ def bench(
     debug: bool = typer.Option(False, help="Show tracebacks."),
 ) -> None:
     """Measure one configuration against vanilla decoding on one workload, in rounds."""
-    from vegas_core import SpecConfig, load_model
-    from vegas_tune.datasets import check_dataset, load_prompts
-    from vegas_tune.measure import Measurer, Workload, interleave, series_attrs
-    from vegas_tune.preflight import check_model_size
-    from vegas_tune.stats import Estimate
-
     if rounds < MIN_BENCH_ROUNDS:
         raise VegasError(f"--rounds must be at least {MIN_BENCH_ROUNDS} for an interval, got {rounds}")
 
@@ -488,21 +494,6 @@ def grid(
     """Measure every configuration of a space once (vanilla interleaved), then re-measure
     the best beside the picks of --compare profiles: their regret, in one run. Finished
     points are kept in <out>.partial until the pass ends: --resume goes on from them."""
-    from vegas_core import load_model
-    from vegas_tune.datasets import check_dataset, load_prompts
-    from vegas_tune.grid import (GRID_BEST, GRID_TOP, GridResult, compare as race_configs,
-                                 grid_markdown, grid_points, parse_gammas, partial_path,
-                                 read_partial, regret_words, run_grid, spec_of_row,
-                                 write_json, write_partial)
-    from vegas_tune.hardware import fingerprint
-    from vegas_tune.measure import Measurer, Workload
-    from vegas_tune.pipeline import STUDY_HARDWARE_KEYS, git_revision
-    from vegas_tune.preflight import check_model_size
-    from vegas_tune.profile import load_profile
-    from vegas_tune.space import longest_prefix
-    from vegas_tune.steps import min_new_tokens
-    from vegas_tune.tuner import usable_budgets
-
     tokens = parse_ctx(ctx)
     space_target, slots, gamma_list = parse_target(target), parse_budgets(budgets), parse_gammas(gammas)
     check_values(dict(batch_size=batch_size, max_new_tokens=max_new_tokens,
@@ -623,8 +614,6 @@ def validate(profile: Path = typer.Argument(..., help="Profile YAML."),
              debug: bool = typer.Option(False, help="Show tracebacks.")) -> None:
     """Check a profile's types and meaning: limits, intervals, the recommendation and the
     exports (exit 2 with one line naming the first problem)."""
-    from vegas_tune.profile import load_profile
-
     p = load_profile(profile)
     sizes = ", ".join(f"{e.batch_min}-{e.batch_max}: "
                       + ("vanilla" if e.config == "vanilla" else f"gamma {e.config.gamma}")
@@ -640,8 +629,6 @@ def show(profile: Path = typer.Argument(..., help="Profile YAML."),
          json_out: bool = typer.Option(False, "--json", help="The whole profile as JSON."),
          debug: bool = typer.Option(False, help="Show tracebacks.")) -> None:
     """Print a profile's tuned values, results and provenance."""
-    from vegas_tune.profile import load_profile, profile_to_dict
-
     p = load_profile(profile)
     if json_out:
         print(json.dumps(profile_to_dict(p), indent=1))
@@ -688,8 +675,6 @@ def diff(old: Path = typer.Argument(...), new: Path = typer.Argument(...),
          tolerance: float = typer.Option(0.05, help="Allowed relative loss before a regression."),
          debug: bool = typer.Option(False, help="Show tracebacks.")) -> int:
     """Compare two profiles; exit 1 when NEW regresses beyond the tolerance (a CI gate)."""
-    from vegas_tune.profile import diff_profiles, load_profile
-
     if not 0 <= tolerance < 1:
         raise VegasError(f"--tolerance must be in [0, 1), got {tolerance}")
     d = diff_profiles(load_profile(old), load_profile(new), tolerance)
@@ -714,9 +699,6 @@ def export(profile: Path = typer.Argument(...),
     """Print a profile's serving config: `vllm serve --config` YAML, or JSON, for one
     served concurrency. Where the schedule runs vanilla at that concurrency, vanilla
     decoding is exported (with a warning) unless --force."""
-    from vegas_tune.export import check_target, recommendation_note, render_export
-    from vegas_tune.profile import load_profile
-
     p = load_profile(profile)
     target = target or p.target
     warning = check_target(p, target, force, str(profile))
@@ -739,12 +721,6 @@ def export(profile: Path = typer.Argument(...),
 @app.command()
 def doctor(debug: bool = typer.Option(False, help="Show tracebacks.")) -> int:
     """Check the GPU, torch, triton, kernels, memory and the embedded model."""
-    import torch
-
-    from vegas_core.attention import attention_backend
-    from vegas_core.loading.embedded import DEFAULT_MODEL, embedded_path
-    from vegas_tune.hardware import fingerprint
-
     fp = fingerprint()
     ok = True
     rows = [("torch", fp["torch"]), ("CUDA", fp["cuda"] or "none (CPU build)"),

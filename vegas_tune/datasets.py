@@ -64,7 +64,7 @@ def _module_source(name: str) -> str:
 
 
 def _prose_from(start: int) -> str:
-    from pydoc_data.topics import topics
+    from pydoc_data.topics import topics  # deferred: 760 kB of text, for the prose prompts
 
     keys = list(topics)
     order = keys[start % len(keys):] + keys[: start % len(keys)]
@@ -187,7 +187,7 @@ def load_prompts(tokenizer, dataset: str, ctx: int, count: int, seed: int = 0) -
         return _pack(tokenizer, texts, ctx, count, label=f"dataset file {where.name}",
                      name_prefix=f"file:{where.name}")
     try:
-        import datasets as hf_datasets
+        import datasets as hf_datasets  # optional: not a dependency of this package
     except ImportError:
         raise VegasError(_needs_datasets_package(dataset)) from None
     hf_id, split = where
@@ -277,7 +277,7 @@ def _check_file_type(path: Path) -> None:
 
 
 def _read_table(path: Path):
-    import pandas as pd
+    import pandas as pd  # deferred (0.3 s to import): only table files need it
 
     _check_file_type(path)
     suffix = path.suffix.lower()

@@ -105,7 +105,7 @@ def _driver_version() -> str | None:
 
 def _triton_version() -> str | None:
     try:
-        import triton
+        import triton  # optional: the GPU kernels need it, this check does not
     except Exception:  # not installed, or a broken install: either way, not usable
         return None
     return getattr(triton, "__version__", None)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from vegas_core.errors import VegasError
+from vegas_tune.space import MIN_BUDGET
 
 # Where a profile will be served: the authors' vLLM fork, or this engine.
 TARGETS = ("vllm", "vegas")
@@ -112,8 +113,6 @@ def parse_whole_numbers(text: str | int, flag: str, malformed: str, minimum: int
 def parse_budgets(text: str | int) -> tuple[int, ...]:
     """'128,256,512' -> (128, 256, 512): draft budgets in KV slots, each >= MIN_BUDGET,
     no repeats; ascending."""
-    from vegas_tune.space import MIN_BUDGET
-
     return parse_whole_numbers(
         text, "--budgets", ": give comma-separated slot counts, e.g. 128,256,512,1024",
         MIN_BUDGET, f"every budget must be >= {MIN_BUDGET} slots (16 sink tokens and a "

@@ -5,33 +5,30 @@ from __future__ import annotations
 import datetime
 import hashlib
 import logging
-import re
 import subprocess
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from vegas_core import __version__ as engine_version
 from vegas_core import load_model
-from vegas_core.attention import attention_backend
+from vegas_core.backend import attention_backend
 from vegas_core.errors import VegasError
 from vegas_core.loading.embedded import HUB_IDS
 from vegas_tune.datasets import dataset_fingerprint, load_prompts
-from vegas_tune.export import build_exports
-from vegas_tune.hardware import fingerprint, gpu_slug
+from vegas_tune.hardware import fingerprint
 from vegas_tune.measure import Measurer, Workload
-from vegas_tune.profile import (SCHEMA_VERSION, VANILLA, Tuned, load_profile,
+from vegas_tune.profile import (SCHEMA_VERSION, VANILLA, Tuned, build_exports, load_profile,
                                 profile_from_dict, profile_to_dict, write_profile)
 from vegas_tune.report import (plot_acceptance_vs_budget, plot_throughput_vs_batch,
                                plot_throughput_vs_gamma, write_report, write_trials_table)
 from vegas_tune.progress import ProgressCallback
 from vegas_tune.stats import CONFIDENCE
 from vegas_tune.preflight import check_values
-from vegas_tune.options import TuneOptions
 from vegas_tune.space import Point
 from vegas_tune.steps import RACE
 from vegas_tune.studies import check_study
-from vegas_tune.tuner import Tuner, ctx_label, warn_if_hard_to_time
+from vegas_tune.settings import TuneSettings, study_location
+from vegas_tune.tuner import Tuner, warn_if_hard_to_time
 
 log = logging.getLogger("vegas_tune")
 
@@ -43,27 +40,6 @@ EXIT_INTERRUPTED = 130
 HASH_CHUNK = 1 << 24
 
 
-@dataclass
-class TuneSettings:
-    model: str
-    ctx: int
-    dataset: str
-    out: Path | None
-    device: str
-    dtype: str
-    storage: str | None
-    study_name: str | None
-    resume: bool
-    seed: int
-    batch_sizes: tuple[int, ...]  # ascending
-    max_new_tokens: int
-    temperature: float
-    num_prompts: int
-    options: TuneOptions
-    command: str
-    new_study: bool = False
-
-
 def distinct_prompts(num_prompts: int, batch_sizes: tuple[int, ...]) -> int:
     """How many distinct prompts a workload over ``batch_sizes`` decodes: ``num_prompts``,
     or the largest batch size when it is larger. A batch size below ``num_prompts`` decodes
@@ -71,13 +47,6 @@ def distinct_prompts(num_prompts: int, batch_sizes: tuple[int, ...]) -> int:
     sequence. Repeating a few prompts to fill a large batch would make its greedy
     sequences copies of each other, so acceptance there would be that of a few prompts."""
     return max(num_prompts, *batch_sizes)
-
-
-def model_slug(spec: str) -> str:
-    """'dummy:qwen3-8b' -> 'dummy-qwen3-8b'; '/m/Qwen3-8B' -> 'qwen3-8b'."""
-    name = spec.rstrip("/").split("/")[-1]
-    name = re.sub(r"\.gguf$", "", name, flags=re.IGNORECASE)
-    return re.sub(r"[^a-z0-9.]+", "-", name.lower()).strip("-") or "model"
 
 
 def weights_sha256(path: Path | None) -> str | None:
@@ -110,19 +79,6 @@ def git_revision() -> str | None:
         return None
     changes = git("status", "--porcelain", "--untracked-files=no")
     return head + "+dirty" if changes else head
-
-
-def default_out(settings: TuneSettings, hardware: dict) -> Path:
-    return Path("profiles") / model_slug(settings.model) / f"{gpu_slug(hardware)}-{ctx_label(settings.ctx)}.yaml"
-
-
-def study_location(settings: TuneSettings, hardware: dict) -> tuple[Path, str, str]:
-    """(profile path, storage, study name) with their defaults filled in."""
-    out = settings.out or default_out(settings, hardware)
-    storage = settings.storage or str(out.with_suffix("")) + ".optuna.journal"
-    study_name = (settings.study_name or
-                  f"{model_slug(settings.model)}-{gpu_slug(hardware)}-{ctx_label(settings.ctx)}")
-    return out, storage, study_name
 
 
 def run_tune(settings: TuneSettings,

@@ -16,8 +16,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from vegas_core.config import DUMMY_PREFIX
 from vegas_core.errors import VegasError
+from vegas_core.loading import resolve_device, resolve_dtype
+from vegas_core.loading.memory import check_model_fits, kv_cache_bytes, peek_config
 from vegas_core.spec_config import MAX_GAMMA
+from vegas_tune.datasets import check_dataset
+from vegas_tune.settings import default_out
+from vegas_tune.steps import MIN_ROUNDS, min_new_tokens
 
 # Settings that count something, so must be whole numbers >= 1.
 POSITIVE_INTS = ("batch_size", "max_new_tokens", "num_prompts", "probe_gamma", "candidates")
@@ -45,8 +51,6 @@ def check_values(values: Mapping[str, Any], labels: Mapping[str, str] | None = N
     counts >= 1, gammas <= the engine's maximum, 0 <= seed <= ``MAX_SEED``, temperature >= 0,
     time_budget > 0, 0 < precision < 1, max_rounds >= the tuner's minimum, budgets below
     the context, a known log level."""
-    from vegas_tune.steps import MIN_ROUNDS, min_new_tokens
-
     labels = labels or {}
 
     def value(name: str) -> Any:
@@ -149,6 +153,7 @@ def check_storage(url: str, label: str) -> None:
         return
     if url.split("://", 1)[0].split("+", 1)[0] != SQLITE_SCHEME:
         return
+    # Deferred (0.2 s to import): only database storages need it.
     from sqlalchemy.engine import make_url
     from sqlalchemy.exc import ArgumentError
 
@@ -169,8 +174,6 @@ def check_storage(url: str, label: str) -> None:
 
 def check_device(device: str, dtype: str, labels: Mapping[str, str] | None = None):
     """(torch.device, torch.dtype) the run will use, or a named error."""
-    from vegas_core.loading import resolve_device, resolve_dtype
-
     labels = labels or {}
     try:
         dev = resolve_device(device)
@@ -189,9 +192,6 @@ def check_model_size(spec: str, device, dtype, *, ctx: int, max_new_tokens: int,
     folders): prompt + generated tokens fit its positions, and its weights plus the KV
     cache fit the device's free memory. Other models are checked by ``load_model``
     (weights only) and after loading (positions)."""
-    from vegas_core.loading import DUMMY_PREFIX
-    from vegas_core.loading.memory import check_model_fits, kv_cache_bytes, peek_config
-
     labels = labels or {}
     try:
         config = peek_config(spec)
@@ -217,9 +217,6 @@ def check_tune(settings, labels: Mapping[str, str] | None = None) -> None:
     """Everything about a ``TuneSettings`` that can be known before loading the model:
     device and dtype, dataset, the model's positions and memory (where its config is
     cheap to read), the profile's and the storage's paths. Run after ``check_values``."""
-    from vegas_tune.datasets import check_dataset
-    from vegas_tune.pipeline import default_out
-
     labels = labels or {}
     device, dtype = check_device(settings.device, settings.dtype, labels)
     try:

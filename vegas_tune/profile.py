@@ -43,6 +43,9 @@ from vegas_core.spec_config import (COLLECT, DRAFTERS, GRANULARITIES, MAX_GAMMA,
                                     SCORES, SpecConfig)
 from vegas_core.schedule import VANILLA, SpecSchedule  # VANILLA: public here too
 from vegas_tune.options import TARGETS
+from vegas_tune.serving import (VLLM_SPECULATIVE_KEY, VLLM_TARGET, engine_settings,
+                                speculative_json, vllm_note, vllm_serve_config,
+                                vllm_speculative_config)
 from vegas_tune.space import fits_target
 
 SCHEMA_VERSION = 4
@@ -511,6 +514,21 @@ class Profile(_Strict):
         return SpecSchedule.from_profile_data(profile_to_dict(self), "profile")
 
 
+def build_exports(model_id: str, tuned: Tuned, max_num_seqs: int, max_model_len: int,
+                  target: str) -> Exports:
+    """The ``exports`` section of a profile tuned for ``target``: ``tuned`` served as
+    ``model_id`` at ``max_num_seqs`` sequences of up to ``max_model_len`` positions."""
+    return Exports(
+        vllm=VllmExport(
+            target=VLLM_TARGET,
+            note=vllm_note(tuned, target),
+            serve_config=vllm_serve_config(model_id, tuned, max_num_seqs, max_model_len),
+            speculative_config_json=speculative_json(tuned),
+        ),
+        vegas=engine_settings(tuned),
+    )
+
+
 def _check_schedule(schedule: list[ScheduleEntry]) -> None:
     """Raise ``_FieldProblem`` unless the entries' ranges start at 1 and are contiguous."""
     expected = 1
@@ -551,11 +569,6 @@ def _check_exports(exports: Exports, tuned: Tuned, workload: Workload, batch: in
                    target: str) -> None:
     """Raise ``_FieldProblem`` unless every export says what ``tuned`` says, served at
     ``batch`` sequences of ``workload``'s context plus new tokens."""
-    # export.py imports this module at its top; importing it here, at validation time,
-    # avoids the cycle and keeps one definition of each export.
-    from vegas_tune.export import (VLLM_SPECULATIVE_KEY, engine_settings, vllm_note,
-                                   vllm_serve_config, vllm_speculative_config)
-
     problem = _mismatch(exports.vegas, engine_settings(tuned))
     if problem:
         raise _FieldProblem(("exports", "vegas", *problem[0]), problem[1] + _REGENERATE)
@@ -667,8 +680,6 @@ def _upgrade_from_2(data: dict, source: str) -> dict:
     """A schema 2 profile (one batch size, no schedule) as schema 3: a one-entry schedule
     covering batch sizes 1 to the tuned one, and exports that set the served concurrency
     and length. Its figures are unchanged."""
-    from vegas_tune.export import build_exports
-
     try:
         upgraded = json.loads(json.dumps(data))  # a deep copy of plain data
         workload, results = upgraded["workload"], upgraded["results"]
@@ -701,8 +712,6 @@ def _upgrade_from_3(data: dict, source: str) -> dict:
     """A schema 3 profile as schema 4: tuned for this engine (``target: vegas``: schema 3
     tunes searched scores and windows the vLLM fork cannot run), its vLLM note saying
     so. Its figures and steps are unchanged."""
-    from vegas_tune.export import vllm_note
-
     # A deep copy; not through JSON, which fails on values YAML may hold (an unquoted
     # timestamp is a datetime) that validation then names.
     upgraded = copy.deepcopy(data)

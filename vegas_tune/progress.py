@@ -16,6 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TextIO
 
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                           TimeElapsedColumn, TimeRemainingColumn)
+
 
 @dataclass(frozen=True)
 class ProgressEvent:
@@ -214,9 +217,6 @@ class ProgressReporter:
 
 
 def _bars(console):
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                               TimeElapsedColumn, TimeRemainingColumn)
-
     # markup=False: "[1.38, 1.46]" in the best text is data, not rich markup.
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                     TextColumn("{task.fields[unit]}"), TimeElapsedColumn(),

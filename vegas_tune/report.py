@@ -65,7 +65,7 @@ def write_trials_table(trials: list[dict], path) -> Path:
     trial lacks is NaN. Nested values (lists, dicts) are stored as JSON strings, so both
     formats hold the same flat table.
     """
-    import pandas as pd
+    import pandas as pd  # deferred (0.3 s to import): commands that write no table skip it
 
     path = Path(path)
     suffix = path.suffix.lower()
@@ -311,7 +311,8 @@ def _series(rows: list[dict], x: str, y: str) -> list[tuple[float, float]]:
 
 def _figure():
     # A bare Figure on the Agg canvas, not pyplot: no global backend switch, and no
-    # figure left open in pyplot's registry of the calling process.
+    # figure left open in pyplot's registry of the calling process. Deferred (0.5 s to
+    # import): only the plots need matplotlib.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

@@ -264,7 +264,7 @@ class Steps:
         self.studies, self.measuring, self.options = studies, measuring, options
 
     def _grid_study(self, step: str, batch: int):
-        import optuna
+        import optuna  # deferred: see vegas_tune.studies
 
         return self.studies.study(step, optuna.samplers.RandomSampler(seed=self.options.seed),
                                   batch)
@@ -412,7 +412,7 @@ class Steps:
     def race(self, landscape: Landscape, search: Search) -> tuple[dict, StepResult]:
         """Race the candidates; returns (the race: ``series`` by name, ``chosen`` name,
         ``specs`` by name) and the step's summary."""
-        import optuna
+        import optuna  # deferred: see vegas_tune.studies
 
         batch = search.batch
         points = self.candidates(landscape)

@@ -19,6 +19,7 @@ trials and writes the same profile.
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import json
 import logging
 import os
@@ -34,6 +35,9 @@ from vegas_tune.interrupts import DeferredInterrupts
 from vegas_tune.progress import ProgressCallback, ProgressEvent
 
 log = logging.getLogger("vegas_tune")
+# optuna is imported inside the functions that use it (here, in steps and in tuner): it
+# takes 0.2 s and SQLAlchemy with it, which the commands that only read profiles
+# (validate, show, diff, export) and the engine's own imports do without.
 
 # How long a worker waits for other workers' running trials before giving up on them.
 WAIT_FOR_OTHERS_SECONDS = 3600
@@ -87,8 +91,6 @@ def _rdb_url(url: str) -> str:
     """``postgresql://`` with the PostgreSQL driver that is installed: SQLAlchemy's
     default for that scheme changed from psycopg2 to psycopg (3) in 2.1, and the
     ``postgres`` extra installs psycopg."""
-    import importlib.util
-
     if not url.startswith(("postgresql://", "postgres://")):
         return url
     rest = url.partition("://")[2]

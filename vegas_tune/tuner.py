@@ -30,6 +30,7 @@ import torch
 
 from vegas_core import SpecConfig
 from vegas_core.errors import VegasError
+from vegas_core.graphs import release_workspace
 from vegas_core.spec_config import MAX_GAMMA
 from vegas_tune.measure import Measurer
 from vegas_tune.options import TuneOptions, parse_whole_numbers
@@ -100,7 +101,7 @@ class Tuner:
                  options: TuneOptions, *, resume: bool, new_study: bool = False,
                  fingerprint: dict | None = None, progress: ProgressCallback | None = None,
                  started: float | None = None):
-        import optuna
+        import optuna  # deferred: see vegas_tune.studies
 
         # Optuna logs every failed trial with a traceback; the tuner reports failures itself.
         debug = log.isEnabledFor(logging.DEBUG)
@@ -250,8 +251,6 @@ def race_size(batch: int, race: dict) -> SizeResult:
 def _free_device_memory(measurer: Measurer) -> None:
     """After an out-of-memory size: drop the model's kept cache so the next size starts
     from free memory."""
-    from vegas_core.graphs import release_workspace
-
     release_workspace(measurer.model.net)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -305,11 +304,6 @@ def warn_if_hard_to_time(decoded_per_measurement: int) -> None:
         log.warning("each measurement decodes only %d tokens (batches x --max-new-tokens): "
                     "expect wide intervals; raise --max-new-tokens or --num-prompts",
                     decoded_per_measurement)
-
-
-def ctx_label(ctx: int) -> str:
-    """8192 -> '8k', 2000 -> '2000'."""
-    return f"{ctx // 1024}k" if ctx % 1024 == 0 else str(ctx)
 
 
 def parse_ctx(text: str | int) -> int:

@@ -24,6 +24,9 @@ import tempfile
 import threading
 from pathlib import Path
 
+import torch
+import yaml
+
 from vegas_core.errors import VegasError
 
 log = logging.getLogger("vegas_tune")
@@ -64,8 +67,6 @@ def _gpu_index(device: str) -> int:
 
 def resolve_devices(devices: list[str]) -> list[str]:
     """``all`` -> every visible GPU; checks that each listed GPU exists."""
-    import torch
-
     count = torch.cuda.device_count()
     if devices == ["all"]:
         if count == 0:
@@ -202,8 +203,6 @@ def _collect(results, relays, outs, devices, out: Path) -> tuple[dict | None, in
 
 def _check_agreement(outs, summaries, devices) -> None:
     """Workers choose from the same trials: their profiles agree. Say so if not."""
-    import yaml
-
     profiles = {i: yaml.safe_load(outs[i].read_text()) for i in summaries}
     first = min(profiles)
     for i, profile in profiles.items():

@@ -8,9 +8,12 @@ from typing import Any
 
 import torch
 
-from vegas_core.config import ModelConfig
+from vegas_core.config import DUMMY_PREFIX, ModelConfig
 from vegas_core.errors import VegasError
+from vegas_core.loading.dummy import load_dummy
 from vegas_core.loading.embedded import DEFAULT_MODEL, EMBEDDED, embedded_path
+from vegas_core.loading.gguf import load_gguf
+from vegas_core.loading.hf import is_hf_dir, load_hf_dir, resolve_hub_id
 from vegas_core.model import Transformer
 
 DTYPES = {
@@ -18,7 +21,6 @@ DTYPES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float16": torch.float16, "fp16": torch.float16,
 }
-DUMMY_PREFIX = "dummy:"
 
 
 @dataclass
@@ -82,10 +84,6 @@ def load_model(
     downloaded when online), or ``"dummy:<preset>"`` (random weights of a real shape).
     ``dtype="auto"`` means bfloat16 on a GPU and float32 on the CPU.
     """
-    from vegas_core.loading.dummy import load_dummy
-    from vegas_core.loading.gguf import load_gguf
-    from vegas_core.loading.hf import is_hf_dir, load_hf_dir, resolve_hub_id
-
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     path: Path | None = None

@@ -13,9 +13,11 @@ from typing import Any
 
 import numpy as np
 import torch
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
 from vegas_core.config import GEMMA3_LOCAL_ROPE_THETA, ModelConfig, gemma3_layer_types
 from vegas_core.errors import VegasError
+from vegas_core.loading.embedded import cache_folder
 from vegas_core.loading.gguf_header import GGUFFormatError, GGUFHeader
 from vegas_core.loading.weights import build_with_weights
 from vegas_core.tokenizer import TokenizersTokenizer, TransformersTokenizer
@@ -160,7 +162,7 @@ def gguf_config(gf: GGUFFile) -> ModelConfig:
 
 
 def _tensor_array(tensor: Any) -> np.ndarray:
-    import gguf
+    import gguf  # deferred (0.15 s to import): only GGUF files need it
 
     # A copy: the header hands out read-only views of the memory-mapped file.
     return np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
@@ -209,8 +211,6 @@ def gguf_tokenizer(gf: GGUFFile):
             raise VegasError(f"{gf.path.name}: cannot build its tokenizer ({model}/{pre}): {e}") from e
         return TransformersTokenizer(tok, eos_ids)
 
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-
     tokens = list(gf.require("tokenizer.ggml.tokens"))
     merges = [tuple(m.split(" ", 1)) for m in gf.require("tokenizer.ggml.merges")]
     bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
@@ -245,10 +245,9 @@ def _converted_tokenizer(path: Path):
     the conversion parses the whole file again (about 40 s for Gemma3's vocabulary),
     loading the saved result takes a second. Keyed by the file's path, size and
     modification time and by the transformers version."""
+    # Deferred (0.7 s to import): only a tokenizer that needs converting uses it.
     import transformers
     from transformers import AutoTokenizer
-
-    from vegas_core.loading.embedded import cache_folder
 
     stat = path.resolve().stat()
     key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from vegas_core.config import ModelConfig, preset_config
+from vegas_core.config import DUMMY_PREFIX, ModelConfig, preset_config
 from vegas_core.errors import VegasError
 
 BYTES_PER_GIB = 2**30
@@ -89,7 +89,7 @@ def _cgroup_available() -> int | None:
 
 def _host_available() -> int | None:
     try:
-        import psutil
+        import psutil  # optional: not a dependency; /proc/meminfo answers without it
     except ImportError:
         psutil = None
     if psutil is not None:
@@ -173,8 +173,6 @@ def peek_config(spec: str) -> ModelConfig | None:
     a Hugging Face folder's ``config.json``. None for GGUF files (their header holds the
     vocabulary: seconds to parse), hub ids (maybe a download) and anything unreadable;
     ``load_model`` checks those itself before allocating."""
-    from vegas_core.loading import DUMMY_PREFIX
-
     if spec.startswith(DUMMY_PREFIX):
         return preset_config(spec[len(DUMMY_PREFIX):])
     folder = Path(spec).expanduser()

@@ -1,0 +1,63 @@
+"""A tune's settings (``TuneSettings``, as the CLI or a caller of ``run_tune`` gives them)
+and where they put its files by default: the profile under ``profiles/<model>/`` and the
+optuna journal beside it."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from vegas_tune.hardware import gpu_slug
+from vegas_tune.options import TuneOptions
+
+
+@dataclass
+class TuneSettings:
+    """Everything one tune runs with: the model and workload, where it writes, and the
+    search's ``TuneOptions``."""
+
+    model: str
+    ctx: int
+    dataset: str
+    out: Path | None
+    device: str
+    dtype: str
+    storage: str | None
+    study_name: str | None
+    resume: bool
+    seed: int
+    batch_sizes: tuple[int, ...]  # ascending
+    max_new_tokens: int
+    temperature: float
+    num_prompts: int
+    options: TuneOptions
+    command: str
+    new_study: bool = False
+
+
+def model_slug(spec: str) -> str:
+    """'dummy:qwen3-8b' -> 'dummy-qwen3-8b'; '/m/Qwen3-8B' -> 'qwen3-8b'."""
+    name = spec.rstrip("/").split("/")[-1]
+    name = re.sub(r"\.gguf$", "", name, flags=re.IGNORECASE)
+    return re.sub(r"[^a-z0-9.]+", "-", name.lower()).strip("-") or "model"
+
+
+def ctx_label(ctx: int) -> str:
+    """8192 -> '8k', 2000 -> '2000'."""
+    return f"{ctx // 1024}k" if ctx % 1024 == 0 else str(ctx)
+
+
+def default_out(settings: TuneSettings, hardware: dict) -> Path:
+    """``profiles/<model>/<gpu>-<ctx>.yaml``."""
+    name = f"{gpu_slug(hardware)}-{ctx_label(settings.ctx)}.yaml"
+    return Path("profiles") / model_slug(settings.model) / name
+
+
+def study_location(settings: TuneSettings, hardware: dict) -> tuple[Path, str, str]:
+    """(profile path, storage, study name) with their defaults filled in."""
+    out = settings.out or default_out(settings, hardware)
+    storage = settings.storage or str(out.with_suffix("")) + ".optuna.journal"
+    study_name = (settings.study_name or
+                  f"{model_slug(settings.model)}-{gpu_slug(hardware)}-{ctx_label(settings.ctx)}")
+    return out, storage, study_name
