@@ -192,6 +192,12 @@ class Studies:
     def out_of_time(self) -> bool:
         return self.deadline is not None and time.monotonic() >= self.deadline
 
+    def _stop_when_out_of_time(self, study, _trial) -> None:
+        """After each trial: no new one once the budget is spent, on this object's clock
+        (``time.monotonic``, as ``deadline``), not optuna's own timeout's."""
+        if self.out_of_time():
+            study.stop()
+
     def remaining_seconds(self) -> float | None:
         if self.deadline is None:
             return None
@@ -273,8 +279,9 @@ class Studies:
             if wanted and not stalled:
                 # Out-of-memory trials fail with their reason, duplicates back off; the
                 # study goes on.
-                study.optimize(named, n_trials=wanted, timeout=self.remaining_seconds(),
-                               callbacks=[report],
+                self.remaining_seconds()  # BudgetSpent once the budget is gone
+                study.optimize(named, n_trials=wanted,
+                               callbacks=[report, self._stop_when_out_of_time],
                                catch=(torch.cuda.OutOfMemoryError, DuplicateTrial))
                 # Sampled trials that were all duplicates: the space is used up.
                 stalled = grid is None and self.finished(study) == before
