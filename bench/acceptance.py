@@ -7,7 +7,7 @@ mean accepted length (1 + accepted drafts per iteration, bonus included), the
 acceptance by draft position, and whether the output equals vanilla's token for token.
 Writes a Markdown table (with the hardware and the command) and the raw rows as JSON.
 
-    python bench/acceptance.py --ctx 4096 --gamma 6 --sparsity 0.05 --out docs/results/acceptance-cpu
+    python bench/acceptance.py --ctx 4096 --gamma 6 --sparsity 0.05 --out runs/acceptance-cpu
 """
 
 from __future__ import annotations
@@ -39,6 +39,9 @@ def hardware() -> str:
 
 
 def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file, making its folder (the
+    benches' default, ``runs/``, is not in git)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     tmp.replace(path)
@@ -160,7 +163,7 @@ def main() -> None:
     p.add_argument("--num-prompts", type=int, default=2)
     p.add_argument("--from-json", type=Path, default=None,
                    help="summarize rows measured earlier (e.g. by a run that was cut short)")
-    p.add_argument("--out", default="docs/results/acceptance",
+    p.add_argument("--out", default="runs/acceptance",
                    help="path without suffix: writes OUT.md and OUT.json")
     args = p.parse_args()
     out = Path(args.out)

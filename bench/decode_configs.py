@@ -8,7 +8,7 @@ copy-bandwidth floor of the same run, and the split-merge kernel alone. Each con
 checked against the float32 reference. The rules of ``vegas_kernels/launch.py`` are
 patched for the sweep only; the winner is what that module should ship.
 
-    python bench/decode_configs.py --out docs/results/decode-configs-h200.md
+    python bench/decode_configs.py --out runs/decode-configs-h200.md
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def main() -> None:
                    help="split counts to time (0: the shipped rule, splits_for)")
     p.add_argument("--merge-lanes", nargs="+", type=int, default=[16, 32, 64, 128],
                    help="merge-alone timings for these MERGE_MAX_LANES caps")
-    p.add_argument("--out", default="docs/results/decode-configs-h200.md")
+    p.add_argument("--out", default="runs/decode-configs.md")
     args = p.parse_args()
     import triton
 

@@ -36,7 +36,7 @@ Writes OUT.md (hardware, versions, command, tables) and OUT.json (raw rows, toke
 included); both are rewritten after every batch, so a run cut short leaves its rows.
 
     python bench/end_to_end.py --device cuda --dtype bfloat16 --batch 1 16 64 128 256 \
-        --out docs/results/end-to-end-h200
+        --out runs/end-to-end-h200
 """
 
 from __future__ import annotations
@@ -553,7 +553,7 @@ def main() -> None:
                    help="a top-2 margin at or below this (logits) counts as a near-tie")
     p.add_argument("--from-json", type=Path, default=None,
                    help="summarize rows measured earlier (e.g. by a run that was cut short)")
-    p.add_argument("--out", default="docs/results/end-to-end",
+    p.add_argument("--out", default="runs/end-to-end",
                    help="path without suffix: writes OUT.md and OUT.json")
     args = p.parse_args()
     if min(args.batch) < 1:

@@ -9,7 +9,7 @@ engine's ``silu_mul`` after it, as the model runs it. 'of bandwidth' is weight b
 time / the device-to-device copy bandwidth measured in the same run. Each kernel is
 checked against a float32 reference on fresh random inputs before it is timed.
 
-    python bench/gemv.py --model qwen3-8b llama-3.1-8b --rows 1 8 16 --out docs/results/gemv-h200.md
+    python bench/gemv.py --model qwen3-8b llama-3.1-8b --rows 1 8 16 --out runs/gemv-h200.md
     python bench/gemv.py --model qwen3-8b --rows 1 8 --sweep   # tile settings, best first
 """
 

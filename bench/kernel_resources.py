@@ -2,9 +2,10 @@
 NVIDIA GPU on a machine without one.
 
 Why: the fused scores' cost moved by 10% and more between commits whose kernel code
-differs little (docs/results/verify-scores-h200.md). Registers, spills and shared memory
-(which sets how many programs an SM holds) are the first suspects, and they can be read
-here, before device time is spent timing a variant. Nothing is launched or timed.
+differs little (docs/results/verify-scores-h200.md as of commit 8cc220d, in git
+history). Registers, spills and shared memory (which sets how many programs an SM
+holds) are the first suspects, and they can be read here, before device time is spent
+timing a variant. Nothing is launched or timed.
 
 How: ``verify_attention`` of the chosen module is called on CPU tensors of the model's
 shape, with Triton's active driver replaced by one that names the target GPU. Triton's

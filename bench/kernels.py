@@ -9,7 +9,7 @@ a 5% sparse draft (ours; PyTorch gather + SDPA). Every figure is a median over C
 timings after warm-up, reported as microseconds and as a ratio. Kernels are first checked
 against the float32 reference on fresh inputs.
 
-    python bench/kernels.py --out docs/results/kernels-h200.md
+    python bench/kernels.py --out runs/kernels-h200.md
 """
 
 from __future__ import annotations
@@ -173,7 +173,7 @@ def main() -> None:
     p.add_argument("--batch", nargs="+", type=int, default=[1, 8])
     p.add_argument("--verify-rows", type=int, default=9,
                    help="rows of the verify window (gamma + 1)")
-    p.add_argument("--out", default="docs/results/kernels-h200.md")
+    p.add_argument("--out", default="runs/kernels.md")
     args = p.parse_args()
     heads, kv_heads, dim = SHAPES[args.shape]
     import triton

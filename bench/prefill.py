@@ -18,7 +18,7 @@ Random weights of a real model's shape (bf16), random prompt ids. Measured in on
   forward), and on the PyTorch reference attention (``--reference-ctx``) for a same-run
   ratio.
 
-    python bench/prefill.py --out docs/results/prefill-h200
+    python bench/prefill.py --out runs/prefill-h200
 """
 
 from __future__ import annotations
@@ -228,7 +228,7 @@ def main() -> None:
     p.add_argument("--reference-ctx", type=int, default=16384,
                    help="also prefill one sequence this long on the reference (0: skip)")
     p.add_argument("--matmul-n", type=int, default=8192)
-    p.add_argument("--out", default="docs/results/prefill")
+    p.add_argument("--out", default="runs/prefill")
     args = p.parse_args()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -54,7 +54,7 @@ def main() -> None:
     p.add_argument("--batch", nargs="+", type=int, default=[64, 128, 256])
     p.add_argument("--sparsity", type=float, default=0.05)
     p.add_argument("--min-tokens", type=int, default=128)
-    p.add_argument("--out", default="docs/results/selection-h200.md")
+    p.add_argument("--out", default="runs/selection.md")
     args = p.parse_args()
     layers, kv_heads = SHAPES[args.shape]
     import triton

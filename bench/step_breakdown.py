@@ -13,7 +13,7 @@ selection of the budget's slots (``draft_budget``) plus a tail of DRAFT_TAIL slo
 layer, into one static buffer, as a session does): run it with and without to see what
 the scores cost, kernel by kernel.
 
-    python bench/step_breakdown.py --out docs/results/step-breakdown-h200.md
+    python bench/step_breakdown.py --out runs/step-breakdown-h200.md
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def main() -> None:
                    help="profile a verify pass of this many rows instead of a decode step")
     p.add_argument("--scores", action="store_true",
                    help="with --verify-rows: the pass also sums fused logit scores")
-    p.add_argument("--out", default="docs/results/step-breakdown-h200.md")
+    p.add_argument("--out", default="runs/step-breakdown.md")
     args = p.parse_args()
     if args.verify_rows is not None and args.draft_sparsity is not None:
         p.error("--verify-rows and --draft-sparsity profile different steps: give one")

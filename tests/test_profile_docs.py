@@ -390,3 +390,90 @@ def test_doc_states_this_schema_version():
 def test_doc_keeps_the_validate_section_for_its_owner():
     text = doc_text()
     assert "## What `validate` checks" in text
+
+
+# --- docs/results: one page per question, and what README.md and profiles/README.md quote
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "docs" / "results"
+INDEX = RESULTS / "README.md"
+QUOTING = [ROOT / "README.md", ROOT / "profiles" / "README.md"]
+RESULTS_LIMIT_BYTES = 1_000_000
+# Figures as the READMEs write them: speedups and percentages (single or ranges),
+# 95% intervals, and throughput pairs.
+NUMBER = r"\d[\d,]*(?:\.\d+)?"
+FIGURES = re.compile(rf"{NUMBER}(?: ?- ?{NUMBER})?(?:x\b|%)"
+                     rf"|\[{NUMBER}, {NUMBER}\]"
+                     rf"|{NUMBER} vs {NUMBER} tok/s")
+# Percentages in those texts that are settings, not measurements.
+NOT_FIGURES = {"95%",  # the confidence level of every interval
+               "1%"}   # the race's default --precision
+WORK_PERIODS = re.compile(r"\bstops? \d+|\bwork periods?\b", re.IGNORECASE)
+COMMIT = re.compile(r"\b[0-9a-f]{7,40}\b")
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def prose(path: Path) -> str:
+    """The text outside fenced code blocks (examples and commands), whitespace collapsed
+    and dashes made hyphens, so that a figure wrapped over two lines still matches."""
+    text = re.sub(r"```.*?```", " ", path.read_text(encoding="utf-8"), flags=re.DOTALL)
+    return " ".join(text.replace("–", "-").split())
+
+
+def result_pages() -> list[Path]:
+    return sorted(p for p in RESULTS.glob("*.md") if p != INDEX)
+
+
+def test_results_stay_under_a_megabyte_of_pages():
+    files = [p for p in RESULTS.rglob("*") if p.is_file()]
+    assert sum(p.stat().st_size for p in files) < RESULTS_LIMIT_BYTES
+    assert all(p.suffix == ".md" for p in files), "raw rows belong in runs/, not docs/results"
+
+
+def test_every_results_page_names_its_hardware_commit_and_command():
+    for page in result_pages():
+        text = page.read_text(encoding="utf-8")
+        assert re.search(r"\b(H100|H200)\b", text), f"{page.name}: no hardware"
+        assert COMMIT.search(text), f"{page.name}: no commit"
+        assert "```bash" in text, f"{page.name}: no command"
+
+
+def test_the_index_lists_each_page_once():
+    listed = re.findall(r"^\| \[([^\]]+)\]\(\1\) \|", INDEX.read_text(encoding="utf-8"), re.M)
+    assert sorted(listed) == [p.name for p in result_pages()]
+
+
+@pytest.mark.parametrize("quoting", QUOTING, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_figure_quoted_is_on_a_results_page(quoting):
+    """README.md and profiles/README.md quote only figures that a results page gives
+    (beside its command), written the same way."""
+    pages = " ".join(prose(p) for p in result_pages())
+    quoted = {m.group(0) for m in FIGURES.finditer(prose(quoting))} - NOT_FIGURES
+    assert quoted, f"no figures found in {quoting}"
+    missing = [f for f in quoted
+               if not re.search(rf"(?<![\d.]){re.escape(f)}(?!\d)", pages)]
+    assert sorted(missing) == []
+
+
+def test_results_links_resolve():
+    for page in [INDEX, *result_pages(), *QUOTING]:
+        for target in LINK.findall(page.read_text(encoding="utf-8")):
+            if target.startswith(("http://", "https://", "#")):
+                continue
+            path, _, anchor = target.partition("#")
+            resolved = (page.parent / path).resolve()
+            assert resolved.exists(), f"{page.name}: {target}"
+            if anchor and resolved.suffix == ".md":
+                headings = re.findall(r"^#+ (.+)$", resolved.read_text(encoding="utf-8"), re.M)
+                slugs = {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+                         for h in headings}
+                assert anchor in slugs, f"{page.name}: {target}"
+
+
+def test_docs_speak_of_commits_and_dates_not_work_periods():
+    texts = [*ROOT.joinpath("docs").rglob("*.md"), *QUOTING]
+    for path in texts:
+        text = path.read_text(encoding="utf-8")
+        assert not WORK_PERIODS.search(text), f"{path}: {WORK_PERIODS.search(text).group(0)}"
+    for path in [*RESULTS.glob("*.md"), *QUOTING]:
+        assert not re.search(r"\bsession\b", path.read_text(encoding="utf-8"), re.I), path

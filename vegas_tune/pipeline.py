@@ -13,7 +13,7 @@ from vegas_core import __version__ as engine_version
 from vegas_core import load_model
 from vegas_core.backend import attention_backend
 from vegas_core.errors import VegasError
-from vegas_core.loading.embedded import HUB_IDS
+from vegas_core.loading.embedded import EMBEDDED, HUB_IDS
 from vegas_tune.datasets import dataset_fingerprint, load_prompts
 from vegas_tune.hardware import fingerprint
 from vegas_tune.measure import Measurer, Workload
@@ -59,6 +59,24 @@ def weights_sha256(path: Path | None) -> str | None:
             while chunk := f.read(HASH_CHUNK):
                 digest.update(chunk)
     return digest.hexdigest()
+
+
+def model_path_record(spec: str, path: Path | None, folder: Path | None = None) -> str | None:
+    """``model.path`` of a profile: where the weights came from, in words that still mean
+    something on another machine. An embedded model is its name (the file lies in its
+    package's installation) and a hub id stays the id (the files lie in the local cache);
+    a file or folder under ``folder`` (the working folder) is relative to it. A model
+    elsewhere keeps its absolute path: a user's own models may live anywhere, and that
+    path is the only name they have. None for random weights."""
+    if path is None:
+        return None
+    if spec in EMBEDDED or not Path(spec).expanduser().exists():  # embedded, or a hub id
+        return spec
+    resolved = path.resolve()
+    try:
+        return resolved.relative_to((folder or Path.cwd()).resolve()).as_posix()
+    except ValueError:
+        return str(resolved)
 
 
 def git_revision() -> str | None:
@@ -138,7 +156,7 @@ def run_tune(settings: TuneSettings,
         "target": settings.options.target,
         "recommended": recommended,
         "tuned": tuned,
-        "model": {"id": settings.model, "path": str(model.path) if model.path else None,
+        "model": {"id": settings.model, "path": model_path_record(settings.model, model.path),
                   "architecture": model.config.family, "dtype": str(model.dtype).removeprefix("torch."),
                   "weights_sha256": weights_sha256(model.path), "dummy": model.is_dummy},
         "workload": {"ctx": settings.ctx, "batch_size": head["batch_size"],
