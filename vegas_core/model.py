@@ -33,7 +33,7 @@ MOE_KERNEL_MAX_TOKENS = 4096
 def project(layer: nn.Linear, x: torch.Tensor, fused: bool) -> torch.Tensor:
     """``layer(x)``; where the kernels are enabled, 1-16 rows of half precision go to
     the gemv kernel (vegas_kernels.gemv), which streams the weight once for all rows (as
-    fast as cuBLAS there or up to 1.24x faster: docs/results/gemv-h200.md)."""
+    fast as cuBLAS there or up to 1.24x faster: docs/results/kernels.md)."""
     if fused:
         if gemv_serves(x, layer.weight):
             return gemv(x, layer.weight, layer.bias)

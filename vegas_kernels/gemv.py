@@ -3,7 +3,7 @@ SiLU-gated multiply in the same kernel.
 
 Why: a decode or draft step at batch 1-8 reads every weight once for a handful of rows,
 so a linear layer is a pure weight stream. cuBLAS runs those GEMMs at about 0.88 of the
-H200's copy bandwidth (docs/results/step-breakdown-h200.md), and the weights are most of
+H200's copy bandwidth (docs/results/steps.md), and the weights are most of
 an 8B model's draft step. Here each program streams ``BLOCK_N`` whole weight rows and
 multiplies them with all the rows of x at once: the weight tile is the left operand of a
 tensor-core dot and x, padded to ``ROWS_PAD`` rows, the right one (the output is

@@ -34,23 +34,23 @@ def next_power_of_2(n: int) -> int:
 BLOCK_N = 64  # key slots per tile
 # Heads this narrow (SmolLM2's 64) take tiles of NARROW_BLOCK_N slots: a tile of the same
 # bytes as a 64-slot tile of head dim 128; at 64 slots the split kernel ran 1.1-1.3x the
-# K+V floor at batch 64-256 (docs/results/decode-configs-smollm2-h200.md).
+# K+V floor at batch 64-256 (docs/results/kernel-launch.md#tiles-warps-and-stages-at-head-dim-64).
 NARROW_HEAD_DIM = 64
 NARROW_BLOCK_N = 128
 MIN_BLOCK_M = 16  # tl.dot needs at least 16 rows
 # Split-kernel programs one SM runs at once (by shared memory, at BLOCK_N 64, head dim
-# 128): the split count fills whole waves of them (docs/results/decode-configs-h200.md).
+# 128): the split count fills whole waves of them (docs/results/kernel-launch.md#split-count-programs-per-sm).
 RESIDENT_PER_SM = 2
 # A last wave of programs filled below this share leaves SMs idle while it runs: the split
 # count grows until the last wave is filled this well, within MAX_SPLIT_WAVES waves. At
 # SmolLM2's 3 KV heads one split left it 73% full at batch 64 and 128; 4 and 2 splits
 # fill 97%, and a 7-row verify with fused scores ran 16-21% faster (H200,
-# docs/results/verify-splits-smollm2-h200.md).
+# docs/results/kernel-launch.md#split-count-a-full-last-wave).
 MIN_LAST_WAVE_FILL = 0.9
 MAX_SPLIT_WAVES = 4
 # Launch options of the split kernels (Triton's defaults; at head dim 64, 4 warps and 3
 # stages were the best of 4 / 8 warps and 2-4 stages at batch 64 and 128:
-# docs/results/decode-configs-smollm2-h200.md).
+# docs/results/kernel-launch.md#tiles-warps-and-stages-at-head-dim-64).
 SPLIT_WARPS = 4
 SPLIT_STAGES = 3
 # Head dims above this (Gemma3's 256) pipeline two K/V tiles, not three: three 64 x 256
@@ -60,7 +60,7 @@ WIDE_HEAD_DIM = 128
 # fused scores by a dot with the weighted query sum rather than by a column sum of the
 # tile: at SmolLM2's 33 rows (gamma 10) on the H200 a verify with scores cost 1.76-1.92x
 # a plain one the column-sum way, 1.12-1.16x with the dot
-# (docs/results/verify-scores-h200.md).
+# (docs/results/kernel-launch.md#fused-score-sums-a-dot-from-64-rows).
 DOT_SUM_ROWS = 64
 
 
@@ -118,13 +118,13 @@ def splits_for(device: torch.device, programs_per_split: int, bound: int,
 # Pipeline stages of the sparse draft kernel at head dims up to NARROW_HEAD_DIM
 # (SmolLM2's 64): with the list entries prefetched, three stages ran 3-5% slower than two
 # there, while at head dim 128 three beat two by 3-6% (H200, the section of ed7e2a3 in
-# docs/results/step-targets-h200.md).
+# docs/results/kernel-launch.md).
 SPARSE_NARROW_STAGES = 2
 # A sparse launch whose programs fit in one wave and whose splits hold at most this many
 # tiles (a batch of one or two at 5% of the prefix) runs tiles of half the slots and
 # twice the splits: twice the programs in flight over lists too short to fill each one's
 # pipeline (Qwen3-8B shape, batch 1, 64k / 128k: 12.3 -> 11.0 / 16.2 -> 14.6 us a layer,
-# there; docs/results/step-targets-h200.md, the section of ed7e2a3).
+# there; docs/results/kernel-launch.md, the section of ed7e2a3).
 SHORT_SPLIT_TILES = 4
 
 
@@ -151,7 +151,7 @@ def sparse_tiling(device: torch.device, programs_per_split: int, max_keys: int
 
 # Splits a merge program reads at once (independent loads in flight): with 16 lanes the
 # merge looped, 7 us at 66 splits, against 2.6 with a lane per split (0d77492); 3.3 us at
-# 33 splits in docs/results/decode-configs-h200.md.
+# 33 splits in docs/results/kernel-launch.md#split-count-programs-per-sm.
 MERGE_MAX_LANES = 128
 MERGE_TILE = 4096  # elements of a merge program's [lanes, rows, dims] running sums
 MERGE_MIN_DIMS = 16  # narrowest slice of the head dim one merge program takes
@@ -196,7 +196,7 @@ EDGE_BLOCK = 1024  # slots per program of edge_weight_scores
 # The row stays in registers, SCORES_PER_THREAD slots a thread. At least 8 warps: with 4,
 # a program needed 255 registers (spilling) and an SM held two; at 8 warps 127, two
 # programs of twice the warps; 16 warps ran 1.7x slower
-# (docs/results/selection-smollm2-h200.md).
+# (docs/results/kernel-launch.md#selection-kernel).
 SCORES_PER_THREAD = 64
 TOPK_MIN_WARPS = 8
 TOPK_MAX_WARPS = 16
@@ -237,7 +237,7 @@ class GemvConfig:
     num_stages: int
 
 
-# Chosen by bench/gemv.py --sweep on the H200 (docs/results/gemv-sweep-h200.md), 1 and 8
+# Chosen by bench/gemv.py --sweep on the H200 (docs/results/kernel-launch.md#gemv-tiles), 1 and 8
 # rows. At the 8B shapes, wide weights (N >= 6144: 96 or more programs) take 64-row tiles
 # and narrower ones 32-row tiles, so that a 4096-row weight still spreads over 128
 # programs, one per SM, with a deeper pipeline to keep each SM's loads in flight. A short
@@ -331,15 +331,15 @@ class LaunchChoice:
 CHOICES: tuple[LaunchChoice, ...] = (
     LaunchChoice("verify_attention", ("tile_slots", "BLOCK_N", "NARROW_BLOCK_N"),
                  "64-slot key tiles; 128 at head dims up to 64",
-                 "decode-configs-smollm2-h200.md"),
+                 "kernel-launch.md"),
     LaunchChoice("verify_attention, sparse_attention",
                  ("split_count", "RESIDENT_PER_SM", "MIN_LAST_WAVE_FILL", "MAX_SPLIT_WAVES"),
                  "splits fill whole waves of 2 programs per SM, more until the last wave "
                  "is 90% full (within 4 waves), never more than the tiles",
-                 "decode-configs-h200.md, verify-splits-smollm2-h200.md"),
+                 "kernel-launch.md"),
     LaunchChoice("verify_attention, sparse_attention",
                  ("split_stages", "SPLIT_WARPS", "SPLIT_STAGES"),
-                 "4 warps, 3 stages", "decode-configs-smollm2-h200.md"),
+                 "4 warps, 3 stages", "kernel-launch.md"),
     LaunchChoice("verify_attention, sparse_attention", ("WIDE_HEAD_DIM",),
                  "2 stages above head dim 128 (three K/V tiles would not fit shared memory)",
                  NOT_MEASURED),
@@ -349,20 +349,20 @@ CHOICES: tuple[LaunchChoice, ...] = (
                  "(tl.dot's minimum)", NOT_MEASURED),
     LaunchChoice("verify_attention", ("DOT_SUM_ROWS",),
                  "fused scores summed by a dot with the weighted query sum from 64 rows",
-                 "verify-scores-h200.md"),
+                 "kernel-launch.md"),
     LaunchChoice("sparse_attention", ("sparse_tiling", "SHORT_SPLIT_TILES"),
                  "split_count's splits over 64-slot tiles; in one wave with at most 4 tiles "
-                 "a split, 32-slot tiles and twice the splits", "step-targets-h200.md"),
+                 "a split, 32-slot tiles and twice the splits", "kernel-launch.md"),
     LaunchChoice("sparse_attention", ("sparse_stages", "SPARSE_NARROW_STAGES"),
                  "2 stages at head dims up to 64, else as the verify kernel",
-                 "step-targets-h200.md"),
+                 "kernel-launch.md"),
     LaunchChoice("split_merge",
                  ("merge_tile", "MERGE_MAX_LANES", "MERGE_TILE", "MERGE_MIN_DIMS"),
                  "a lane per split up to 128, then head dims and rows within 4096 elements",
-                 "decode-configs-h200.md"),
+                 "kernel-launch.md"),
     LaunchChoice("split_merge", ("merges_in_kernel",),
                  "the split kernel's last program merges when one merge block holds every "
-                 "split, row and dim; else a merge launch", "step-targets-h200.md"),
+                 "split, row and dim; else a merge launch", "kernel-launch.md"),
     LaunchChoice("collect_scores", ("COLLECT_TILES", "EDGE_BLOCK"),
                  "8 tiles of 64 slots per collect program; 1024 slots per edge-weight "
                  "program", NOT_MEASURED),
@@ -370,9 +370,9 @@ CHOICES: tuple[LaunchChoice, ...] = (
                                   "TOPK_SPLIT_BLOCKS"),
                  "one power-of-two block per row, 64 scores a thread, 8-16 warps; just past "
                  "2048, 4096 or 8192 slots that block plus an eighth",
-                 "selection-smollm2-h200.md"),
+                 "kernel-launch.md"),
     LaunchChoice("gemv", ("gemv_config", "WIDE_WEIGHT_ROWS", "SHORT_K"),
-                 "four tiles by N >= 6144 and K < 1024", "gemv-sweep-h200.md"),
+                 "four tiles by N >= 6144 and K < 1024", "kernel-launch.md"),
     LaunchChoice("layer_ops", ("norm_tile", "elementwise_warps", "SILU_BLOCK"),
                  "about 2048 elements a norm program, a warp per 256 (up to 8); 1024 "
                  "columns a SiLU-mul program", NOT_MEASURED),

@@ -10,7 +10,7 @@ never holds the [T, S] scores, so memory grows linearly with the context:
 
 - ``start == 0``: plain causal SDPA. On CUDA the cuDNN kernel is asked for first: on an
   H200 it runs a causal 64k x 64k head-dim-128 block at about 600 TFLOP/s against 350
-  for FlashAttention-2 (docs/results/prefill-h200.md).
+  for FlashAttention-2 (docs/results/prefill.md).
 - ``start > 0``: the lower-right causal bias (``torch.nn.attention.bias``), which PyTorch
   serves with FlashAttention-2 on CUDA in half precision; elsewhere an explicit
   [T, start + T] boolean mask (one per block, not per head).

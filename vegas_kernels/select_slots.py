@@ -23,7 +23,7 @@ stays in registers, so the search re-reads nothing: rows up to RESIDENT_SPAN slo
 
 The kernel is bound by latency, not bandwidth: how many programs an SM holds (set by
 registers) and how many instructions a program issues decide its time. Three choices
-keep both low (docs/results/selection-smollm2-h200.md, 0cf468c): the row's loads are
+keep both low (docs/results/kernel-launch.md#selection-kernel, 0cf468c): the row's loads are
 masked on a length divisible by 16 (``_load_len``), so they vectorise and need a quarter
 of the address registers of per-slot masked loads; the list's places come from a
 running count in two levels (within rows of COUNT_ROW slots, then across them) rather

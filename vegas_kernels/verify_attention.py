@@ -126,7 +126,7 @@ if triton is not None:
         logits (KEEP_EDGES) come from a second, small dot of K with the edge rows'
         queries ``q_side`` [SIDE_M, D]: storing those rows of the main [BLOCK_M, N] tile
         instead cost 62% of a 9-row verify at the Qwen3-8B shape, the side dot 19%
-        (docs/results/kernels-h200-edges.md)."""
+        (docs/results/kernels.md)."""
         slots = n0 + tl.arange(0, BLOCK_N)
         side_rows = tl.arange(0, SIDE_M)
         dims = tl.arange(0, D)
@@ -244,7 +244,7 @@ if triton is not None:
         # verify window's own tiles and the range's end. Without a window there is no
         # head: WINDOWED compiles its loop away, because a third loop in every kernel took
         # 36-row fused scores at the Qwen3-8B shape from +6% to +18% over a plain verify
-        # (docs/results/verify-scores-h200.md).
+        # (docs/results/kernel-launch.md#fused-score-sums-a-dot-from-64-rows).
         if WINDOWED:
             inside_all = tl.minimum(tl.maximum(last_pos - window + 1 - start, 0), end - start)
             head_end = start + tl.minimum(tl.cdiv(inside_all, BLOCK_N) * BLOCK_N, end - start)
