@@ -1063,7 +1063,7 @@ def test_committed_profiles_name_their_model_without_a_machine_path(path):
     assert recorded is not None and not Path(recorded).is_absolute(), recorded
 
 
-def test_model_path_records_names_relative_paths_and_absolute_only_outside(tmp_path,
+def test_model_path_records_names_and_paths_relative_to_the_working_folder(tmp_path,
                                                                             monkeypatch):
     from vegas_tune.pipeline import model_path_record
 
@@ -1081,5 +1081,5 @@ def test_model_path_records_names_relative_paths_and_absolute_only_outside(tmp_p
     assert model_path_record(str(inside), inside) == "models/my.gguf"
     assert model_path_record("models/my.gguf", Path("models/my.gguf")) == "models/my.gguf"
     assert model_path_record("models", Path("models")) == "models"
-    assert model_path_record(str(outside), outside) == str(outside.resolve())
+    assert model_path_record(str(outside), outside) == "../elsewhere.gguf"
     assert model_path_record("dummy:qwen3-8b", None) is None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import logging
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -65,18 +66,13 @@ def model_path_record(spec: str, path: Path | None, folder: Path | None = None) 
     """``model.path`` of a profile: where the weights came from, in words that still mean
     something on another machine. An embedded model is its name (the file lies in its
     package's installation) and a hub id stays the id (the files lie in the local cache);
-    a file or folder under ``folder`` (the working folder) is relative to it. A model
-    elsewhere keeps its absolute path: a user's own models may live anywhere, and that
-    path is the only name they have. None for random weights."""
+    a file or folder is relative to ``folder`` (the working folder; ``../`` where it
+    lies outside), never a machine's absolute path. None for random weights."""
     if path is None:
         return None
     if spec in EMBEDDED or not Path(spec).expanduser().exists():  # embedded, or a hub id
         return spec
-    resolved = path.resolve()
-    try:
-        return resolved.relative_to((folder or Path.cwd()).resolve()).as_posix()
-    except ValueError:
-        return str(resolved)
+    return Path(os.path.relpath(path.resolve(), (folder or Path.cwd()).resolve())).as_posix()
 
 
 def git_revision() -> str | None:
