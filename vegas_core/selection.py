@@ -255,19 +255,18 @@ class StreamingDrafter(Drafter):
         # The first draft goes where the bonus token goes: after the accepted rows
         # (``bounds`` is the engine's here, so prefix_len is the window's first slot).
         first = inputs.prefix_len + inputs.last_row + 1  # [B]
-        l, b = self.num_layers, first.shape[0]
+        l, b, gamma = self.num_layers, first.shape[0], self.spec.gamma
+        # Every step's window at once (a few launches, not a few per step).
+        positions = first[:, None] + torch.arange(gamma, device=first.device)  # [B, gamma]
+        start = fork_stream_window_start(positions, self.spec.sparsity, self.spec.min_tokens,
+                                         self.max_model_len)  # [B, gamma]
+        # A query inside block 0 sees all of it: its whole sequence is the tail.
+        start = torch.where(start > positions, torch.zeros_like(start), start)
+        counts = torch.clamp(start, max=FORK_BLOCK).T  # [gamma, B]
         sinks = torch.arange(FORK_BLOCK, device=first.device)
         indices = sinks[None, None, None, :].expand(l, b, 1, -1)  # [L, B, 1, FORK_BLOCK]
-        steps = []
-        for step in range(self.spec.gamma):
-            position = first + step
-            start = fork_stream_window_start(position, self.spec.sparsity,
-                                             self.spec.min_tokens, self.max_model_len)
-            # A query inside block 0 sees all of it: its whole sequence is the tail.
-            start = torch.where(start > position, torch.zeros_like(start), start)
-            counts = torch.clamp(start, max=FORK_BLOCK)  # [B]
-            steps.append(SparseSelection(indices, counts[None].expand(l, b).clone(), start))
-        return StepSelections(steps)
+        return StepSelections([SparseSelection(indices, counts[i][None].expand(l, b),
+                                               start[:, i]) for i in range(gamma)])
 
 
 class SnapKVDrafter(Drafter):
