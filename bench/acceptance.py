@@ -1,8 +1,9 @@
 """Acceptance of every drafter at matched budgets on long embedded prompts.
 
 Runs vanilla greedy once per prompt, then each drafter at each sparsity (vegas once per
-score of ``--scores``, labelled ``vegas:logit``, ``vegas:weight`` when there are several),
-and records the
+score of ``--scores``, labelled ``vegas:logit``, ``vegas:weight`` when there are several;
+vegas and streaming once more per rule of ``--rules`` beyond ``engine``, labelled
+``vegas@fork``, ``streaming@fork``), and records the
 mean accepted length (1 + accepted drafts per iteration, bonus included), the
 acceptance by draft position, and whether the output equals vanilla's token for token.
 Writes a Markdown table (with the hardware and the command) and the raw rows as JSON.
@@ -28,7 +29,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from vegas_core import SpecConfig, generate, load_model  # noqa: E402
-from vegas_core.spec_config import DRAFTERS, SCORES, draft_budget  # noqa: E402
+from vegas_core.spec_config import (DRAFTERS, FORK_RULE_DRAFTERS, RULES, SCORES,  # noqa: E402
+                                    draft_budget)
 from vegas_tune.datasets import embedded_prompts  # noqa: E402
 
 
@@ -53,14 +55,24 @@ def with_ext(out: Path, ext: str) -> Path:
     return out.with_name(out.name + ext)
 
 
-def configurations(drafters: list[str], scores: list[str]) -> list[tuple[str, str, dict]]:
-    """(label, drafter, SpecConfig options) for each configuration to run."""
+def configurations(drafters: list[str], scores: list[str],
+                   rules: tuple[str, ...] = ("engine",)) -> list[tuple[str, str, dict]]:
+    """(label, drafter, SpecConfig options) for each configuration to run: every drafter
+    under this engine's rule, and vegas and streaming under each other rule (``@rule``)."""
     out = []
-    for drafter in drafters:
-        if drafter == "vegas" and len(scores) > 1:
-            out += [(f"vegas:{score}", drafter, {"score": score}) for score in scores]
-        else:
-            out.append((drafter, drafter, {"score": scores[0]} if drafter == "vegas" else {}))
+    for rule in rules:
+        tag = "" if rule == "engine" else f"@{rule}"
+        for drafter in drafters:
+            if rule != "engine" and drafter not in FORK_RULE_DRAFTERS:
+                continue
+            options = {"rule": rule} if tag else {}
+            if drafter == "vegas" and len(scores) > 1:
+                out += [(f"vegas:{score}{tag}", drafter, {"score": score, **options})
+                        for score in scores]
+            elif drafter == "vegas":
+                out.append((drafter + tag, drafter, {"score": scores[0], **options}))
+            else:
+                out.append((drafter + tag, drafter, options))
     return out
 
 
@@ -76,7 +88,8 @@ def run(args, out: Path) -> list[dict]:
                 print(f"[{dataset} ctx={ctx} {prompt.name}] vanilla {time.perf_counter() - t:.1f}s",
                       file=sys.stderr, flush=True)
                 for sparsity in args.sparsity:
-                    for label, drafter, options in configurations(args.drafters, args.scores):
+                    for label, drafter, options in configurations(args.drafters, args.scores,
+                                                                  args.rules):
                         spec = SpecConfig(drafter=drafter, gamma=args.gamma, sparsity=sparsity,
                                           min_tokens=args.min_tokens, **options)
                         result = generate(model, [prompt.ids], args.max_new_tokens,
@@ -104,7 +117,7 @@ def summarize(rows: list[dict], args, seconds: float) -> str:
     for r in rows:
         groups[(r["dataset"], r["ctx"], r["sparsity"])][r["drafter"]].append(r["mean_accepted_length"])
         exact[r["drafter"]].append(r["matches_vanilla"])
-    drafters = [label for label, _, _ in configurations(args.drafters, args.scores)]
+    drafters = [label for label, _, _ in configurations(args.drafters, args.scores, args.rules)]
     vegas = [d for d in drafters if d.startswith("vegas")]
     lines = [
         "# Acceptance by drafter at matched budgets",
@@ -157,6 +170,9 @@ def main() -> None:
     p.add_argument("--drafters", nargs="+", default=list(DRAFTERS), choices=DRAFTERS)
     p.add_argument("--scores", nargs="+", default=["logit"], choices=SCORES,
                    help="vegas's score modes; several run vegas once per mode")
+    p.add_argument("--rules", nargs="+", default=["engine"], choices=RULES,
+                   help="selection rules; fork runs vegas and streaming again under the "
+                        "vLLM fork's rule (docs/drafters.md)")
     p.add_argument("--gamma", type=int, default=6)
     p.add_argument("--min-tokens", type=int, default=64)
     p.add_argument("--max-new-tokens", type=int, default=64)

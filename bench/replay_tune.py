@@ -24,6 +24,7 @@ the race could get, as far as one run per point can tell.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -34,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from vegas_tune.options import TuneOptions  # noqa: E402
 from vegas_tune.space import Point, longest_prefix, selections  # noqa: E402
 from vegas_tune.steps import (EXTEND, FOCUS, RACE, SWEEP, VANILLA, Landscape,  # noqa: E402
-                              Search, Steps, race_verdict)
+                              Search, Steps, race_verdict, spec_of)
 from vegas_tune.studies import open_storage  # noqa: E402
 from vegas_tune.tuner import gamma_limit  # noqa: E402
 
@@ -87,10 +88,10 @@ def replay_size(batch: int, by_step: dict, fingerprint: dict,
                           probe_gamma=fingerprint["probe_gamma"],
                           precision=fingerprint["precision"])
     limit = gamma_limit(new)
-    search = Search(batch, selections(options.target), options.budgets,
-                    min(options.probe_gamma, limit), longest_prefix(ctx, new), limit, ctx)
     runs = [t for step in (SWEEP, EXTEND, FOCUS) if (step, batch) in by_step
             for t in complete(by_step[(step, batch)])]
+    search = Search(batch, recorded_selections(options.target, runs), options.budgets,
+                    min(options.probe_gamma, limit), longest_prefix(ctx, new), limit, ctx)
     landscape = Landscape(runs, batch, search)
     race_trials = complete(by_step[(RACE, batch)]) if (RACE, batch) in by_step else []
     lines = [f"## batch {batch}", ""]
@@ -136,10 +137,20 @@ def replay_size(batch: int, by_step: dict, fingerprint: dict,
     return lines
 
 
+def recorded_selections(target: str, runs: list) -> list:
+    """``target``'s selections under the rule its recorded runs measured: a tune recorded
+    before the fork's rule existed ran this engine's, whatever its target."""
+    measured = [spec_of(t) for t in runs if t.user_attrs.get("claim") != VANILLA]
+    if measured and all(spec.rule == "engine" for spec in measured):
+        return [dataclasses.replace(s, rule="engine") for s in selections(target)]
+    return selections(target)
+
+
 def _spec(series: dict):
     from vegas_core import SpecConfig
 
-    return SpecConfig(**{k: series[k] for k in SpecConfig().to_dict()})
+    # Series recorded before the fork's rule existed have no rule: this engine's.
+    return SpecConfig(**{k: series[k] for k in SpecConfig().to_dict() if k in series})
 
 
 def main() -> None:

@@ -70,7 +70,10 @@ VEGAS_OPTIONS = [
     dict(collect=c, score=s, granularity=g)
     for c, s, g in itertools.product(("two", "all", "last"), ("logit", "weight"),
                                      ("layer", "kv_head"))
-] + [dict(window=0.5), dict(window=0.25, collect="last", score="weight")]
+] + [dict(window=0.5), dict(window=0.25, collect="last", score="weight"),
+      # The vLLM fork's rule: a one-row window after the prefill, the verified window's
+      # first slot among the candidates.
+      dict(rule="fork", score="weight"), dict(rule="fork", collect="all", score="logit")]
 
 
 @pytest.mark.parametrize("options", VEGAS_OPTIONS, ids=lambda o: "-".join(map(str, o.values())))
@@ -81,23 +84,29 @@ def test_every_vegas_option_is_lossless_on_the_fast_path(model, vanilla, options
     assert got.tokens == vanilla
 
 
-@pytest.mark.parametrize("drafter", ["streaming", "snapkv", "specextend", "quest", "dense"])
-def test_peer_drafters_are_lossless_on_the_fast_path(model, vanilla, drafter, monkeypatch):
+@pytest.mark.parametrize("drafter, rule", [
+    ("streaming", "engine"), ("streaming", "fork"), ("snapkv", "engine"),
+    ("specextend", "engine"), ("quest", "engine"), ("dense", "engine")])
+def test_peer_drafters_are_lossless_on_the_fast_path(model, vanilla, drafter, rule,
+                                                     monkeypatch):
     use(monkeypatch, FAST)
-    spec = SpecConfig(drafter=drafter, gamma=3, sparsity=0.1, min_tokens=4)
+    # 20 slots: the fork's streaming window is then one block besides the sink block.
+    spec = SpecConfig(drafter=drafter, gamma=3, sparsity=0.1, min_tokens=20 if rule == "fork"
+                      else 4, rule=rule)
     got = generate(model, PROMPTS, max_new_tokens=NEW_TOKENS, ignore_eos=True, spec=spec)
     assert got.tokens == vanilla
 
 
-@pytest.mark.parametrize("collect, score, granularity", [
-    ("last", "weight", "kv_head"), ("two", "weight", "layer"), ("last", "logit", "layer")])
+@pytest.mark.parametrize("collect, score, granularity, rule", [
+    ("last", "weight", "kv_head", "engine"), ("two", "weight", "layer", "engine"),
+    ("last", "logit", "layer", "engine"), ("two", "weight", "layer", "fork")])
 def test_kernel_scores_select_what_the_reference_selects(model, collect, score, granularity,
-                                                         monkeypatch):
+                                                         rule, monkeypatch):
     """The last row's scores are summed by the score kernel after acceptance, the first
     and last rows' probabilities from the logits the verify pass kept; the selection
     equals the reference path's, which keeps per-row tensors."""
     spec = SpecConfig(gamma=3, sparsity=0.1, min_tokens=4, collect=collect, score=score,
-                      granularity=granularity)
+                      granularity=granularity, rule=rule)
     sessions, collectors = {}, finished_collectors(monkeypatch)
     for name, env in (("reference", REFERENCE), ("fast", FAST)):
         use(monkeypatch, env)

@@ -14,7 +14,7 @@ import yaml
 from vegas_core.errors import VegasError
 from vegas_tune.export import check_target, recommendation_note, render_export
 from vegas_tune.profile import build_exports
-from vegas_tune.serving import (STREAMING_NOTE, VLLM_MEASURED, VLLM_NOTE, VLLM_TARGET,
+from vegas_tune.serving import (VLLM_MEASURED, VLLM_NOTE, VLLM_TARGET,
                                 engine_settings, vllm_note, vllm_serve_config,
                                 vllm_speculative_config)
 from vegas_tune.profile import (SCHEMA_VERSION, Profile, Tuned, diff_profiles, load_profile,
@@ -32,9 +32,9 @@ MAX_MODEL_LEN = 8192 + 256
 TUNED = dict(drafter="vegas", gamma=6, sparsity_ratio=0.05, min_tokens=256, collect="two",
              score="logit", granularity="layer", window=0.125)
 # The same budget and gamma as the vLLM fork's vegas algorithm runs them.
-FORK_TUNED = dict(TUNED, score="weight", window=0.0)
-# The streaming drafter (the fork's streamingllm) at the sample's budget and gamma.
-STREAMING_TUNED = dict(TUNED, drafter="streaming", window=0.0)
+FORK_TUNED = dict(TUNED, score="weight", window=0.0, rule="fork")
+# The fork's streamingllm at the sample's budget and gamma.
+STREAMING_TUNED = dict(TUNED, drafter="streaming", window=0.0, rule="fork")
 
 
 def sample_profile_dict() -> dict:
@@ -258,7 +258,7 @@ def test_other_schema_version_is_rejected():
         profile_from_dict(data)
     assert_one_line(error, "<dict>: invalid profile: schema_version:",
                     f"unsupported schema_version {SCHEMA_VERSION + 1}; this vegas-tune reads "
-                    f"version {SCHEMA_VERSION} (and upgrades 2 and 3)")
+                    f"version {SCHEMA_VERSION} (and upgrades 2, 3 and 4)")
     data["schema_version"] = 1  # the first format: intervals and schedules came later
     with pytest.raises(VegasError) as error:
         profile_from_dict(data)
@@ -481,7 +481,7 @@ def test_vegas_export_is_the_engine_settings(fmt, parse):
     profile = sample_profile()
     settings = parse(render_export(profile, "vegas", fmt))
     assert list(settings) == ["drafter", "gamma", "sparsity", "min_tokens", "collect",
-                              "score", "granularity", "window"]
+                              "score", "granularity", "window", "rule"]
     assert settings == engine_settings(profile.tuned)
     assert settings["sparsity"] == 0.05 and settings["window"] == 0.125
 
@@ -557,7 +557,7 @@ def test_committed_schema_2_file_loads_as_a_one_entry_schedule(tmp_path):
     assert raw["schema_version"] == 2 and "schedule" not in raw  # what this test is about
     batch = raw["workload"]["batch_size"]
     profile = load_profile(SCHEMA_2_FILE)
-    assert profile.schema_version == SCHEMA_VERSION == 4
+    assert profile.schema_version == SCHEMA_VERSION == 5
     # Schema 2 tunes searched scores and windows the fork cannot run: this engine's target.
     assert profile.target == "vegas"
     assert len(profile.schedule) == 1
@@ -576,10 +576,10 @@ def test_committed_schema_2_file_loads_as_a_one_entry_schedule(tmp_path):
     assert serve["max-num-seqs"] == batch
     assert serve["max-model-len"] == raw["workload"]["ctx"] + raw["workload"]["max_new_tokens"]
     assert profile.exports.vllm.note == vllm_note(profile.tuned, "vegas")
-    # Written back, it is a schema 4 file that loads to the same profile.
+    # Written back, it is a schema 5 file that loads to the same profile.
     path = tmp_path / "upgraded.yaml"
     write_profile(profile, path)
-    assert yaml.safe_load(path.read_text())["schema_version"] == 4
+    assert yaml.safe_load(path.read_text())["schema_version"] == 5
     assert load_profile(path) == profile
     assert diff_profiles(load_profile(SCHEMA_2_FILE), load_profile(path), 0.0).changes == []
 
@@ -610,7 +610,7 @@ def test_recommended_schema_2_profile_becomes_a_speculative_entry():
     (lambda d: d["results"].update(speedup=math.nan), "results.speedup: Input should be a finite"),
     # Data the upgrade cannot work with at all.
     (lambda d: d.pop("workload"),
-     "a schema 2 profile that cannot be read as schema 4 (KeyError: 'workload')"),
+     "a schema 2 profile that cannot be read as schema 5 (KeyError: 'workload')"),
 ], ids=["tuned.gamma", "workload.ctx", "results.speedup", "no-workload"])
 def test_bad_schema_2_file_is_one_line_naming_the_problem(tmp_path, change, expected):
     assert_old_file_refused(SCHEMA_2_FILE, tmp_path, change, expected)
@@ -634,15 +634,18 @@ def test_committed_schema_3_file_loads_with_target_vegas(tmp_path):
     raw = yaml.safe_load(SCHEMA_3_FILE.read_text())
     assert raw["schema_version"] == 3 and "target" not in raw  # what this test is about
     profile = load_profile(SCHEMA_3_FILE)
-    assert profile.schema_version == SCHEMA_VERSION == 4
+    assert profile.schema_version == SCHEMA_VERSION == 5
     # Schema 3 searched scores and windows the fork cannot run: tuned for this engine.
     assert profile.target == "vegas"
     assert (profile.tuned.score, profile.tuned.window) == ("logit", 0.75)
     # The figures, schedule and steps are as they were; the steps keep their old names,
     # and their predictions name no configuration beyond gamma and the ratio.
-    dumped = profile_to_dict(profile)
+    # Their configurations ran this engine's selection rule, which they now say.
+    dumped = without_rules(profile_to_dict(profile))
     for name in ("tuned", "workload", "results", "schedule", "not_tuned", "cut_short"):
         assert dumped[name] == raw.get(name, []), name
+    assert profile.tuned.rule == "engine"
+    assert {e.config.rule for e in profile.schedule if e.config != "vanilla"} == {"engine"}
     assert [s.name for s in profile.steps] == [s["name"] for s in raw["steps"]]
     predictions = [p for s in profile.steps for p in s.predictions]
     assert predictions and all(p.drafter is None and p.budget is None for p in predictions)
@@ -653,15 +656,55 @@ def test_committed_schema_3_file_loads_with_target_vegas(tmp_path):
     assert "Tuned for this engine with score 'logit' (fork: 'weight')" in vllm.note
     assert vllm.serve_config == old["serve_config"]
     assert vllm.speculative_config_json == old["speculative_config_json"]
-    assert profile.exports.vegas == raw["exports"]["vegas"]
-    # Written back, it is a schema 4 file, target right after the version, that loads to
+    assert profile.exports.vegas == {**raw["exports"]["vegas"], "rule": "engine"}
+    # Written back, it is a schema 5 file, target right after the version, that loads to
     # the same profile.
     path = tmp_path / "upgraded.yaml"
     write_profile(profile, path)
     text = path.read_text()
-    assert text.startswith("schema_version: 4\ntarget: vegas\n")
+    assert text.startswith("schema_version: 5\ntarget: vegas\n")
     assert load_profile(path) == profile
     assert diff_profiles(profile, load_profile(path), 0.0).changes == []
+
+
+def without_rules(data: dict) -> dict:
+    """A dumped profile without the ``rule`` of its configurations (older schemas have
+    none)."""
+    data = copy.deepcopy(data)
+    configs = [data["tuned"]] + [e.get(k) for e in data["schedule"] for k in ("config", "measured")]
+    for config in configs:
+        if isinstance(config, dict):
+            config.pop("rule", None)
+    return data
+
+
+# --- schema 4 profiles, upgraded on load ---------------------------------------------
+
+def schema_4_dict(target: str) -> dict:
+    """A schema 4 profile as that version wrote it: no ``rule`` anywhere."""
+    data = without_rules(vllm_profile_dict() if target == "vllm" else sample_profile_dict())
+    data["schema_version"] = 4
+    del data["exports"]["vegas"]["rule"]
+    return data
+
+
+@pytest.mark.parametrize("target", ["vllm", "vegas"])
+def test_schema_4_profiles_ran_this_engines_rule_and_load_tuned_for_it(target):
+    """Schema 4 measured every configuration under this engine's rule, not the fork's
+    (docs/drafters.md): a profile tuned for vllm becomes tuned for this engine."""
+    data = schema_4_dict(target)
+    profile = profile_from_dict(data)
+    assert profile.schema_version == SCHEMA_VERSION == 5
+    assert profile.target == "vegas" and profile.tuned.rule == "engine"
+    assert profile.exports.vegas == engine_settings(profile.tuned)
+    assert profile.exports.vllm.note == vllm_note(profile.tuned, "vegas")
+    if target == "vllm":
+        assert "rule 'engine' (fork: 'fork')" in profile.exports.vllm.note
+    dumped = without_rules(profile_to_dict(profile))
+    for old, new in zip(data["schedule"], dumped["schedule"]):
+        assert (new["config"], new["results"]) == (old["config"],
+                                                   new["results"] | old["results"])
+    assert dumped["tuned"] == data["tuned"]
 
 
 @pytest.mark.parametrize("change, expected", [
@@ -734,10 +777,15 @@ def test_vllm_target_profile_of_fork_configurations_is_valid(tmp_path):
      "schedule[0].measured: granularity 'kv_head': the vLLM fork fixes it at 'layer'"),
     (dict(FORK_TUNED, collect="all"), FORK_TUNED,
      "schedule[1].config: collect 'all': the vLLM fork fixes it at 'two'"),
-    (dict(FORK_TUNED, drafter="quest"), FORK_TUNED,
+    (dict(FORK_TUNED, drafter="quest", rule="engine"), FORK_TUNED,
      "schedule[1].config: drafter 'quest': the vLLM fork runs only vegas and streaming"),
+    (dict(FORK_TUNED, rule="engine"), FORK_TUNED,
+     "schedule[1].config: rule 'engine': the vLLM fork fixes it at 'fork'"),
+    (FORK_TUNED, dict(STREAMING_TUNED, rule="engine"),
+     "schedule[0].measured: rule 'engine': the vLLM fork fixes it at 'fork'"),
 ], ids=["config-window", "config-score", "measured-window", "measured-score",
-        "measured-granularity", "config-collect", "config-drafter"])
+        "measured-granularity", "config-collect", "config-drafter", "config-rule",
+        "measured-streaming-rule"])
 def test_vllm_target_refuses_what_the_fork_does_not_run(tmp_path, tuned, measured, expected):
     data = vllm_profile_dict(tuned, measured)
     path = tmp_path / "vllm.yaml"
@@ -832,8 +880,8 @@ def test_vllm_export_of_a_streaming_pick_says_streamingllm():
     assert json.loads(render_export(profile, "vllm", "json")) == speculative
     text = render_export(profile, "vllm", "yaml")
     assert yaml.safe_load(text)["speculative-config"] == speculative
-    # The note says it was measured for the fork, and how its streamingllm differs.
-    assert profile.exports.vllm.note == VLLM_NOTE + VLLM_MEASURED + STREAMING_NOTE
+    # The note says it was measured for the fork's streamingllm.
+    assert profile.exports.vllm.note == VLLM_NOTE + VLLM_MEASURED
     assert text.startswith("# " + VLLM_NOTE)
     # This engine's settings keep its own drafter name.
     assert engine_settings(profile.tuned)["drafter"] == "streaming"

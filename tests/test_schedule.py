@@ -72,6 +72,19 @@ def test_from_schema_3_profile_data():
     assert schedule.for_batch(1) is None and schedule.for_batch(128) == tuned
 
 
+def test_a_config_runs_its_rule_and_one_without_rule_this_engines():
+    """Schema 5 records each configuration's selection rule; schemas 3 and 4 have none:
+    they ran this engine's."""
+    from tests.test_validate import vllm_target
+
+    data = vllm_target(sample_profile_dict())
+    assert SpecSchedule.from_profile_data(data, "p.yaml").for_batch(64).rule == "fork"
+    old = copy.deepcopy(data)
+    old["schema_version"] = 4
+    del old["schedule"][-1]["config"]["rule"]
+    assert SpecSchedule.from_profile_data(old, "p.yaml").for_batch(64).rule == "engine"
+
+
 def test_profile_spec_schedule_matches_the_data():
     profile = sample_profile()
     assert profile.spec_schedule() == SpecSchedule.from_profile_data(sample_profile_dict(), "x")

@@ -13,7 +13,7 @@ from vegas_core.cache import KVCache
 from vegas_core.scores import ScoreCollector
 from vegas_core.selection import (STREAMING_SINKS, OracleSelection, QuestSelection,
                                   SelectionInputs, draft_budget, make_drafter)
-from vegas_core.spec_config import COLLECT, GRANULARITIES, SCORES
+from vegas_core.spec_config import COLLECT, GRANULARITIES, SCORES, fork_budget
 from tests.test_engine import tiny_model
 
 L, B, HKV, T, S = 3, 2, 2, 5, 40
@@ -279,3 +279,113 @@ def test_window_out_of_range_is_refused():
 
     with pytest.raises(VegasError, match="window"):
         SpecConfig(window=0.9)
+
+
+# ---- the vLLM fork's rule (rule: fork) ----------------------------------------------
+
+def draft_keys(selection, position: int, b: int) -> set[int]:
+    """The slots a draft query of sequence ``b`` at ``position`` attends to under
+    ``selection`` (through the reference attention's mask)."""
+    span = position + 8
+    positions = torch.full((B, 1), position)
+    q, k = torch.zeros(B, 1, 2, 8), torch.zeros(B, 1, span, 8)
+    mask = AttentionMeta.draft(positions, span, selection).mask(0, q, k)  # [B, G, 1, 1, S]
+    return set(mask[b, 0, 0, 0].nonzero().flatten().tolist())
+
+
+def test_the_forks_vegas_budget_clamps_between_min_tokens_and_the_served_length():
+    # clamp(ceil(seq_len * ratio), min_tokens, max(ceil(max_model_len * ratio), min_tokens)),
+    # at most the slots ranked.
+    cases = [  # seq_len, ratio, min_tokens, max_model_len, valid_len -> budget
+        (1000, 0.05, 256, 40960, 994, 256),  # min_tokens
+        (8000, 0.05, 256, 40960, 7994, 400),  # the ratio
+        (200, 0.05, 256, 40960, 194, 194),  # every ranked slot
+        (40960, 0.05, 256, 40960, 40954, 2048),  # the largest a served sequence reaches
+        (50000, 0.05, 256, 40960, 49994, 2048),  # past max_model_len: the upper clamp
+        (1000, 0.05, 256, 1000, 994, 256),  # max_model_len * ratio under min_tokens
+        (3000, 0.07, 16, 40960, 2994, 210),  # float32, as the fork: 211 in float64
+        (50000, 0.05, 256, None, 49994, 2500),  # no upper clamp
+    ]
+    for seq_len, ratio, min_tokens, max_len, valid, want in cases:
+        assert fork_budget(seq_len, ratio, min_tokens, max_len, valid) == want
+        on_tensors = fork_budget(torch.tensor([seq_len]), ratio, min_tokens, max_len,
+                                 torch.tensor([valid]))
+        assert on_tensors.tolist() == [want]
+
+
+def test_the_forks_vegas_ranks_the_verified_windows_first_slot_and_attends_what_followed():
+    """After a verify of 4 rows at slots start..start+3, the fork ranks [0, start + 1)
+    (the window's first slot, accepted before, competes with the prefix) and attends
+    every slot from start + 1 to the draft itself; the budget counts start + 4 keys."""
+    spec = SpecConfig(gamma=3, sparsity=0.1, min_tokens=3, score="weight", rule="fork")
+    drafter = make_drafter(spec, 1, max_model_len=100)
+    start, window = torch.tensor([10, 6]), 4
+    prefix_len, budget = drafter.bounds(start, window)
+    assert prefix_len.tolist() == [11, 7] and budget.tolist() == [3, 3]
+    scores = torch.zeros(1, B, 1, 20)  # [L, B, H_kv, S]: one KV head
+    scores[0, 0, 0, [10, 2, 5]] = torch.tensor([3.0, 2.0, 1.0])  # the window's first slot wins
+    scores[0, 1, 0, [0, 6, 3]] = 1.0
+    scores[0, :, 0, 15:] = 9.0  # past the candidates: never chosen
+    accepted = torch.tensor([1, 3])
+    sel = drafter.select(SelectionInputs(scores, window, accepted, prefix_len, budget, 1, 1))
+    first = (start + accepted + 1).tolist()  # where the bonus token drafts: 12, 10
+    assert draft_keys(sel, first[0], 0) == {2, 5, 10} | set(range(11, first[0] + 1))
+    assert draft_keys(sel, first[1] + 2, 1) == {0, 3, 6} | set(range(7, first[1] + 3))
+    # This engine's own rule ranks [0, start) and always attends slot start.
+    engine = make_drafter(SpecConfig(gamma=3, sparsity=0.1, min_tokens=3, score="weight"), 1)
+    assert [t.tolist() for t in engine.bounds(start, window)] == [[10, 6], [3, 3]]
+
+
+def test_the_forks_vegas_selects_first_from_the_prompts_last_row_over_the_whole_prompt():
+    spec = SpecConfig(gamma=6, sparsity=0.05, min_tokens=4, rule="fork")
+    drafter = make_drafter(spec, 1, max_model_len=5000)
+    assert drafter.prefill_window(spec.gamma) == 1
+    assert make_drafter(SpecConfig(gamma=6), 1).prefill_window(6) == 7
+    # A one-row window at the prompt's last slot L - 1: every prompt slot is a candidate.
+    prefix_len, budget = drafter.bounds(torch.tensor([999, 40]), 1)
+    assert prefix_len.tolist() == [1000, 41] and budget.tolist() == [50, 4]
+    rows = drafter.score_rows(1, torch.tensor([0, 0]))
+    assert rows.tolist() == [[1.0], [1.0]]
+
+
+def test_the_forks_streaming_window_is_whole_blocks_up_to_each_draft_query():
+    """ratio 0.05, min_tokens 64, max_model_len 4096: the window is
+    ceil(max(seq_len * ratio, 64) / 16) = 4 blocks up to the query's own block, besides
+    the sink block [0, 16); it moves when a draft step crosses a block boundary."""
+    spec = SpecConfig(drafter="streaming", gamma=3, sparsity=0.05, min_tokens=64, rule="fork")
+    drafter = make_drafter(spec, 2, max_model_len=4096)
+    # Verified at 500..503 with 2 drafts accepted (row 2): the drafts go to 503, 504, 505;
+    # the second sequence's at 510, 511, 512 (its window moves at 512).
+    start, accepted = torch.tensor([500, 506]), torch.tensor([2, 3])
+    prefix_len, budget = drafter.bounds(start, 4)
+    steps = drafter.select(SelectionInputs(None, 4, accepted, prefix_len, budget, 1, 2)).steps
+    assert len(steps) == 3
+    sinks = set(range(16))
+    for step, sel in enumerate(steps):
+        assert draft_keys(sel, 503 + step, 0) == sinks | set(range(448, 503 + step + 1))
+    assert draft_keys(steps[1], 511, 1) == sinks | set(range(448, 512))
+    assert draft_keys(steps[2], 512, 1) == sinks | set(range(464, 513))
+
+
+@pytest.mark.parametrize("position, max_model_len, window_start", [
+    (500, 1000, 464),  # max(ceil(1000 * 0.05), 64) = 64 slots: at most 4 - 1 = 3 blocks
+    (500, None, 448),  # no clamp: 4 blocks
+    (40, 4096, 16),  # the window reaches block 1: the whole sequence
+    (10, 4096, 0),  # inside the sink block: the whole sequence
+    (4999, 8192, 4752),  # 250 slots by the ratio: 16 blocks
+])
+def test_the_forks_streaming_clamp(position, max_model_len, window_start):
+    spec = SpecConfig(drafter="streaming", gamma=1, sparsity=0.05, min_tokens=64, rule="fork")
+    drafter = make_drafter(spec, 1, max_model_len=max_model_len)
+    start = torch.tensor([position, position])
+    (sel,) = drafter.select(SelectionInputs(None, 1, torch.tensor([-1, -1]), start,
+                                            start, 1, 1)).steps
+    want = set(range(min(16, window_start))) | set(range(window_start, position + 1))
+    assert draft_keys(sel, position, 0) == want
+
+
+def test_the_fork_rule_is_only_for_vegas_and_streaming():
+    from vegas_core.errors import VegasError
+
+    with pytest.raises(VegasError, match="rule 'fork'"):
+        SpecConfig(drafter="quest", rule="fork")

@@ -5,24 +5,30 @@ from __future__ import annotations
 import pytest
 
 from vegas_core.spec_config import SpecConfig, draft_budget
-from vegas_tune.space import (FORK_VEGAS, STREAMING, WINDOWS, Point, Selection, budget_ratio,
-                              fits_target, longest_prefix, selections)
+from vegas_tune.space import (FORK_STREAMING_SELECTION, FORK_VEGAS, STREAMING, WINDOWS, Point,
+                              Selection, budget_ratio, fits_target, longest_prefix, selections)
 
 
 def test_the_vllm_target_searches_what_the_fork_runs_and_the_vegas_target_everything():
     fork = selections("vllm")
-    assert fork == [Selection("vegas", "weight", 0.0), STREAMING]
+    assert fork == [Selection("vegas", "weight", 0.0, "fork"), Selection("streaming", rule="fork")]
+    assert fork[1] == FORK_STREAMING_SELECTION
     engine = selections("vegas")
     assert len(engine) == 2 * len(WINDOWS) + 1 and STREAMING in engine
+    assert {s.rule for s in engine} == {"engine"}
     assert {s.score for s in engine if s.drafter == "vegas"} == {"logit", "weight"}
     for selection in fork:
-        assert fits_target(Point(selection, 256, 8).spec(9000), "vllm") is None
+        spec = Point(selection, 256, 8).spec(9000)
+        assert fits_target(spec, "vllm") is None and spec.rule == "fork"
 
 
 @pytest.mark.parametrize("spec, why", [
-    (SpecConfig(drafter="vegas", score="logit"), "score 'logit'"),
-    (SpecConfig(drafter="vegas", score="weight", window=0.5), "window 0.5"),
-    (SpecConfig(drafter="vegas", score="weight", granularity="kv_head"), "granularity"),
+    (SpecConfig(drafter="vegas", score="logit", rule="fork"), "score 'logit'"),
+    (SpecConfig(drafter="vegas", score="weight", window=0.5, rule="fork"), "window 0.5"),
+    (SpecConfig(drafter="vegas", score="weight", granularity="kv_head", rule="fork"),
+     "granularity"),
+    (SpecConfig(drafter="vegas", score="weight"), "rule 'engine'"),
+    (SpecConfig(drafter="streaming"), "rule 'engine'"),
     (SpecConfig(drafter="quest"), "runs only vegas and streaming"),
 ])
 def test_what_the_fork_cannot_run_is_named(spec, why):
@@ -50,10 +56,13 @@ def test_the_ratio_keeps_three_significant_digits():
 
 
 def test_a_point_round_trips_through_the_engines_config():
-    for selection in selections("vegas"):
+    for selection in selections("vegas") + selections("vllm"):
         point = Point(selection, 512, 7)
         spec = point.spec(9000)
         assert Point.of(spec) == point
         assert spec.score == selection.score and spec.window == selection.window
+        assert spec.rule == selection.rule
     assert Point(Selection("vegas", "weight", FORK_VEGAS["window"]), 256, 10).words() == (
         "vegas weight, 256 slots, gamma 10")
+    assert [s.words() for s in selections("vllm")] == ["vegas weight (fork rule)",
+                                                       "streaming (fork rule)"]

@@ -78,6 +78,19 @@ def test_every_vegas_option_is_lossless(smollm, short_batch, collect, score, gra
     assert out.tokens == vanilla
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("options", [
+    dict(drafter="vegas", score="weight"), dict(drafter="vegas", score="logit", collect="last"),
+    dict(drafter="streaming")], ids=lambda o: "-".join(o.values()))
+def test_the_vllm_forks_rules_are_lossless(smollm, long_batch, options):
+    """``rule: fork``: a one-row window after the prefill and the verified window's first
+    slot among the candidates (vegas), whole blocks moved at every draft step (streaming)."""
+    prompts, vanilla = long_batch
+    spec = SpecConfig(gamma=5, sparsity=0.05, min_tokens=48, rule="fork", **options)
+    out = generate(smollm, prompts, max_new_tokens=32, ignore_eos=True, spec=spec)
+    assert out.tokens == vanilla
+
+
 def test_dense_drafts_are_always_accepted():
     model = tiny_model()
     prompts = [list(range(1, 30)), list(range(5, 17))]
@@ -193,10 +206,11 @@ def test_the_sampling_check_detects_a_wrong_distribution():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("selection", selections("vegas"), ids=lambda s: s.words())
+@pytest.mark.parametrize("selection", selections("vegas") + selections("vllm"),
+                         ids=lambda s: s.words())
 def test_every_configuration_the_tuner_can_choose_is_lossless(smollm, short_batch, selection):
-    """Each selection rule of either target (the vegas target's are a superset of the vllm
-    target's), with a budget written in slots as the tuner writes it, at its probe gamma."""
+    """Each selection rule of either target, with a budget written in slots as the tuner
+    writes it, at its probe gamma."""
     prompts, vanilla = short_batch
     spec = Point(selection, 48, TuneOptions().probe_gamma).spec(longest_prefix(600, 16))
     out = generate(smollm, prompts, max_new_tokens=16, ignore_eos=True, spec=spec)

@@ -69,12 +69,12 @@ def not_recommended_dict(target: str = "vegas") -> dict:
 
 def vllm_target(data: dict) -> dict:
     """The sample tuned for the vLLM fork: its configurations with the fork's fixed
-    choices (softmax-weight scores, no window)."""
+    choices (softmax-weight scores, no window, its selection rule)."""
     data["target"] = "vllm"
     for config in [data["tuned"]] + [e.get(k) for e in data["schedule"]
                                      for k in ("config", "measured")]:
         if isinstance(config, dict):
-            config.update(score="weight", window=0.0)
+            config.update(score="weight", window=0.0, rule="fork")
     return sync_headline(data)
 
 
@@ -287,7 +287,7 @@ def test_sensible_values_are_accepted(tmp_path, capsys, loc, value):
     data = with_gamma(data, data["tuned"]["gamma"]) if loc[0] == "tuned" else sync_headline(data)
     code, stdout, stderr = run(["validate", str(write(tmp_path, data))], capsys)
     assert code == 0, stderr
-    assert stdout.count("\n") == 1 and ": valid (schema 4;" in stdout
+    assert stdout.count("\n") == 1 and ": valid (schema 5;" in stdout
     assert f"recommended {str(data['recommended']).lower()})" in stdout
 
 
@@ -500,7 +500,7 @@ def test_cut_short_vanilla_headline_without_figures_exports_vanilla():
         "speculative settings")
 
 
-# --- show, diff and validate on schema 4 ---------------------------------------------
+# --- show, diff and validate on schema 5 ---------------------------------------------
 
 def test_show_prints_results_with_their_intervals(tmp_path, capsys):
     path = write(tmp_path, sample_profile_dict())
@@ -518,7 +518,7 @@ def test_validate_success_is_one_line_with_the_speedup_interval(tmp_path, capsys
     code, stdout, _ = run(["validate", str(path)], capsys)
     assert code == 0
     assert stdout.count("\n") == 1 and stdout.endswith("; recommended true)\n"), stdout
-    assert stdout.startswith(f"{path}: valid (schema 4; "), stdout
+    assert stdout.startswith(f"{path}: valid (schema 5; "), stdout
     # The schedule's ranges, then the headline (batch 64) with its speedup interval.
     assert "1-63: vanilla, 64-64: gamma 6" in stdout, stdout
     assert "256 slots, gamma 6 (ratio 0.05" in stdout and "speedup 2.12x [2.05, 2.19]" in stdout, stdout

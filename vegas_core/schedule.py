@@ -12,15 +12,18 @@ from vegas_core.spec_config import SpecConfig
 # Profile schema versions this engine reads. vegas_core cannot import vegas_tune (it sits
 # below it), so the few fields read here are checked here; ``vegas-tune validate`` checks
 # the whole profile.
-# Profile schemas whose ``schedule`` this reads (4 added ``target``; the schedule is
-# unchanged since 3), and the one-size schema before them.
-PROFILE_SCHEMAS = (3, 4)
+# Profile schemas whose ``schedule`` this reads (4 added ``target``, 5 each config's
+# ``rule``; the schedule is otherwise unchanged since 3), and the one-size schema before
+# them.
+PROFILE_SCHEMAS = (3, 4, 5)
 PROFILE_SCHEMA_UPGRADABLE = 2
 VANILLA = "vanilla"
 # A profile's config mapping: SpecConfig's fields, with ``sparsity`` named ``sparsity_ratio``.
 _PROFILE_TO_SPEC = {"drafter": "drafter", "gamma": "gamma", "sparsity_ratio": "sparsity",
                     "min_tokens": "min_tokens", "collect": "collect", "score": "score",
-                    "granularity": "granularity", "window": "window"}
+                    "granularity": "granularity", "window": "window", "rule": "rule"}
+# Keys older schemas lack: ``rule`` is then this engine's (what they measured).
+_OPTIONAL = ("rule",)
 _INTS = ("gamma", "min_tokens")
 _FLOATS = ("sparsity_ratio", "window")
 
@@ -107,7 +110,7 @@ class SpecSchedule:
         """The schedule of a tuned profile, as parsed from its YAML (plain dicts and
         lists); ``source`` names it in messages (a file name).
 
-        Schemas 3 and 4 read ``schedule``: ``config: vanilla`` is None, a mapping is a
+        Schemas 3 to 5 read ``schedule``: ``config: vanilla`` is None, a mapping is a
         ``SpecConfig`` (its ``sparsity_ratio`` is ``sparsity``). Schema 2 (one batch size)
         gives one entry for sizes 1 to ``workload.batch_size``: ``tuned`` where
         ``recommended``, else vanilla. Only these fields are read; missing or bad ones
@@ -179,6 +182,8 @@ def _spec(config: Any, where: str) -> SpecConfig:
                              f"{', '.join(_PROFILE_TO_SPEC)}")
     for key in _PROFILE_TO_SPEC:
         if key not in config:
+            if key in _OPTIONAL:
+                continue
             raise VegasError(f"{where}.{key}: missing")
         value = config[key]
         if key in _INTS:

@@ -1,9 +1,12 @@
 """Drafters: which prefix slots each draft forward attends to.
 
-All drafters share one budget rule and one interface. After the prefill window and
-after every verify pass the loop calls ``Drafter.select`` with a ``SelectionInputs``;
-the drafter returns a ``DraftSelection`` (or None for dense drafts). Every selection
-attends, besides its prefix slots, to every slot written since it was made (the tail).
+All drafters share one interface. After the prefill window and after every verify pass
+the loop asks ``Drafter.bounds`` which prefix slots are candidates and how many to keep
+(``draft_budget``; the vLLM fork's own rule under ``rule: fork``), then calls
+``Drafter.select`` with a ``SelectionInputs``; the drafter returns a ``DraftSelection``
+(or None for dense drafts), or ``StepSelections`` where the slots move from one draft
+step to the next. Every selection attends, besides its prefix slots, to every slot
+written since it was made (the tail).
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ import torch.nn.functional as F
 
 from vegas_kernels import select_slots
 from vegas_core.attention import SparseSelection, kernels_enabled
-from vegas_core.spec_config import SpecConfig, draft_budget
+from vegas_core.spec_config import (FORK_BLOCK, SpecConfig, draft_budget, fork_budget,
+                                    fork_stream_window_start)
 
 # MagicDec-Stream: attention-sink tokens kept at the start of the prefix.
 STREAMING_SINKS = select_slots.WINDOW_SINKS
@@ -39,8 +43,9 @@ class SelectionInputs:
         one row per collected layer (``vegas_core.scores``); None for drafters that
         collect none. S may run past the prefix.
     window_rows: T, the rows of that window. last_row: [B] row of the last accepted
-        token in it. prefix_len: [B] slots before the window: the candidates; the
-        window's slots and later ones form the tail. budget: [B]. iteration: 0 after
+        token in it. prefix_len: [B] the candidates, slots [0, prefix_len): the slots
+        before the window (``Drafter.bounds``; the fork's vegas rule adds the window's
+        first slot); later slots form the tail. budget: [B]. iteration: 0 after
         prefill, then 1, 2, ...
     """
 
@@ -51,16 +56,16 @@ class SelectionInputs:
     budget: torch.Tensor
     iteration: int
     num_layers: int
-    # max(prefix_len) known on the host (the loop tracks lengths there), so that sizes
-    # need no read from the device; None reads it.
+    # max(prefix_len) and max(budget) known on the host (the loop tracks lengths
+    # there), so that sizes need no read from the device; None reads them.
     prefix_max: int | None = None
+    budget_max: int | None = None
 
     def longest_prefix(self) -> int:
         return int(self.prefix_len.max()) if self.prefix_max is None else self.prefix_max
 
-    def largest_budget(self, sparsity: float, min_tokens: int) -> int:
-        """max(budget) from the host-side prefix bound: the budget grows with the prefix."""
-        return draft_budget(self.longest_prefix(), sparsity, min_tokens)
+    def largest_budget(self) -> int:
+        return int(self.budget.max()) if self.budget_max is None else self.budget_max
 
 
 def _topk_selection(scores: torch.Tensor, prefix_len: torch.Tensor, budget: torch.Tensor,
@@ -96,11 +101,26 @@ def collected_rows(collect: str, window_rows: int, last_row: torch.Tensor) -> to
     return rows
 
 
+@dataclass
+class StepSelections:
+    """One selection per draft step of an iteration, for rules whose slots move with the
+    draft's own position (the fork's streamingllm): ``steps[i]`` serves draft step i."""
+
+    steps: list[SparseSelection]
+
+
+def for_draft_step(selection, step: int):
+    """The selection that draft step ``step`` (0-based) attends to."""
+    return selection.steps[step] if isinstance(selection, StepSelections) else selection
+
+
 class Drafter:
     """Base: no selection scores needed, prefill window of gamma + 1 rows.
 
     ``layers``: the layers whose drafts attend to a selection (``ModelConfig.
-    selection_layers``; None: all); selections for the others are never read."""
+    selection_layers``; None: all); selections for the others are never read.
+    ``max_model_len``: the longest sequence served, which bounds the fork's budgets
+    (``rule: fork``; None: unbounded)."""
 
     score_mode: str | None = None  # "logit" or "weight" scores of the verify pass, or none
     collect_layers: set[int] | None = None  # the layers whose scores count (None: all)
@@ -109,11 +129,25 @@ class Drafter:
     # acceptance); the peers keep PyTorch's per-row path, as their own implementations do.
     kernel_scores = False
 
-    def __init__(self, spec: SpecConfig, num_layers: int,
-                 layers: list[int] | None = None) -> None:
+    def __init__(self, spec: SpecConfig, num_layers: int, layers: list[int] | None = None,
+                 max_model_len: int | None = None) -> None:
         self.spec = spec
         self.num_layers = num_layers
         self.layers = list(range(num_layers)) if layers is None else list(layers)
+        self.max_model_len = max_model_len
+        self.fork = spec.rule == "fork"
+
+    def prefill_window(self, gamma: int) -> int:
+        """Rows of the verify-style window that ends the prefill (at most the shortest
+        prompt): its scores make the first selection."""
+        return max(gamma + 1, self.prefill_rows)
+
+    def bounds(self, start, window_rows: int):
+        """(candidates, budget) after a window of ``window_rows`` rows verified at slots
+        ``start`` onwards (a [B] tensor, or a host int for static sizes): the drafter
+        chooses ``budget`` of the prefix slots [0, candidates); later slots are the
+        tail. Both grow with ``start``."""
+        return start, draft_budget(start, self.spec.sparsity, self.spec.min_tokens)
 
     def select(self, inputs: SelectionInputs) -> object | None:
         raise NotImplementedError
@@ -148,12 +182,26 @@ class VegasDrafter(Drafter):
 
     kernel_scores = True
 
-    def __init__(self, spec: SpecConfig, num_layers: int,
-                 layers: list[int] | None = None) -> None:
-        super().__init__(spec, num_layers, layers)
+    def __init__(self, spec: SpecConfig, num_layers: int, layers: list[int] | None = None,
+                 max_model_len: int | None = None) -> None:
+        super().__init__(spec, num_layers, layers, max_model_len)
         self.score_mode = spec.score
         self.every_layer = len(self.layers) == num_layers
         self.collect_layers = None if self.every_layer else set(self.layers)
+
+    def prefill_window(self, gamma: int) -> int:
+        # The fork selects first from its prefill pass, by the prompt's last row alone:
+        # a one-row window, whose first and last rows are that row.
+        return 1 if self.fork else super().prefill_window(gamma)
+
+    def bounds(self, start, window_rows: int):
+        if not self.fork:
+            return super().bounds(start, window_rows)
+        # The fork ranks the window's first slot too (the token accepted before it; the
+        # verify pass rewrote its K/V) and sizes the budget by the keys the pass saw.
+        candidates = start + 1
+        return candidates, fork_budget(start + window_rows, self.spec.sparsity,
+                                       self.spec.min_tokens, self.max_model_len, candidates)
 
     def score_rows(self, window_rows: int, last_row: torch.Tensor) -> torch.Tensor:
         return collected_rows(self.spec.collect, window_rows, last_row)
@@ -175,7 +223,7 @@ class VegasDrafter(Drafter):
         if self.spec.window > 0:
             # The window's sinks and recent slots first; the rest of the budget by score.
             reserved = torch.floor(inputs.budget.double() * self.spec.window).long()
-        k_max = inputs.largest_budget(self.spec.sparsity, self.spec.min_tokens)
+        k_max = inputs.largest_budget()
         indices, counts = _topk_selection(scores, inputs.prefix_len, inputs.budget, k_max,
                                           sum_heads=self.spec.granularity == "layer",
                                           reserved=reserved)
@@ -185,16 +233,40 @@ class VegasDrafter(Drafter):
 
 class StreamingDrafter(Drafter):
     """MagicDec-Stream, sliding: 16 sink tokens + the most recent prefix tokens,
-    rebuilt at every iteration."""
+    rebuilt at every iteration. ``rule: fork``: the fork's streamingllm instead, a sink
+    block and the most recent whole blocks up to each draft query, moved at every draft
+    step (``StepSelections``)."""
 
-    def select(self, inputs: SelectionInputs) -> SparseSelection:
+    def select(self, inputs: SelectionInputs) -> SparseSelection | StepSelections:
+        if self.fork:
+            return self._fork_windows(inputs)
         # The slots follow from the budget alone: built directly, once for every layer.
-        k_max = inputs.largest_budget(self.spec.sparsity, self.spec.min_tokens)
+        k_max = inputs.largest_budget()
         indices = select_slots.reserved_indices(inputs.prefix_len, inputs.budget, k_max)
         l, b = self.num_layers, indices.shape[0]
         return SparseSelection(indices[None, :, None, :].expand(l, -1, -1, -1),
                                inputs.budget[None].expand(l, b).clone(),
                                inputs.prefix_len.clone())
+
+    def _fork_windows(self, inputs: SelectionInputs) -> StepSelections:
+        """Per draft step: the sink block as an index list and the window as the tail,
+        which runs from the window's first block to the query itself (the tokens since
+        the last verification included, within the budget)."""
+        # The first draft goes where the bonus token goes: after the accepted rows
+        # (``bounds`` is the engine's here, so prefix_len is the window's first slot).
+        first = inputs.prefix_len + inputs.last_row + 1  # [B]
+        l, b, gamma = self.num_layers, first.shape[0], self.spec.gamma
+        # Every step's window at once (a few launches, not a few per step).
+        positions = first[:, None] + torch.arange(gamma, device=first.device)  # [B, gamma]
+        start = fork_stream_window_start(positions, self.spec.sparsity, self.spec.min_tokens,
+                                         self.max_model_len)  # [B, gamma]
+        # A query inside block 0 sees all of it: its whole sequence is the tail.
+        start = torch.where(start > positions, torch.zeros_like(start), start)
+        counts = torch.clamp(start, max=FORK_BLOCK).T  # [gamma, B]
+        sinks = torch.arange(FORK_BLOCK, device=first.device)
+        indices = sinks[None, None, None, :].expand(l, b, 1, -1)  # [L, B, 1, FORK_BLOCK]
+        return StepSelections([SparseSelection(indices, counts[i][None].expand(l, b),
+                                               start[:, i]) for i in range(gamma)])
 
 
 class SnapKVDrafter(Drafter):
@@ -205,9 +277,9 @@ class SnapKVDrafter(Drafter):
     score_mode = "weight"
     prefill_rows = SNAPKV_WINDOW
 
-    def __init__(self, spec: SpecConfig, num_layers: int,
-                 layers: list[int] | None = None) -> None:
-        super().__init__(spec, num_layers, layers)
+    def __init__(self, spec: SpecConfig, num_layers: int, layers: list[int] | None = None,
+                 max_model_len: int | None = None) -> None:
+        super().__init__(spec, num_layers, layers, max_model_len)
         self.fixed: SparseSelection | None = None
 
     def needs_scores(self, iteration: int) -> bool:
@@ -236,9 +308,9 @@ class SpecExtendDrafter(Drafter):
 
     score_mode = "weight"
 
-    def __init__(self, spec: SpecConfig, num_layers: int,
-                 layers: list[int] | None = None) -> None:
-        super().__init__(spec, num_layers, layers)
+    def __init__(self, spec: SpecConfig, num_layers: int, layers: list[int] | None = None,
+                 max_model_len: int | None = None) -> None:
+        super().__init__(spec, num_layers, layers, max_model_len)
         self.collect_layers = {num_layers - 1}
         self.current: SparseSelection | None = None
 
@@ -386,7 +458,8 @@ _DRAFTERS = {
 }
 
 
-def make_drafter(spec: SpecConfig, num_layers: int, layers: list[int] | None = None) -> Drafter:
+def make_drafter(spec: SpecConfig, num_layers: int, layers: list[int] | None = None,
+                 max_model_len: int | None = None) -> Drafter:
     """The drafter ``spec`` names, for a model of ``num_layers`` whose drafts select in
-    ``layers`` (None: all)."""
-    return _DRAFTERS[spec.drafter](spec, num_layers, layers)
+    ``layers`` (None: all), serving sequences of up to ``max_model_len`` positions."""
+    return _DRAFTERS[spec.drafter](spec, num_layers, layers, max_model_len)

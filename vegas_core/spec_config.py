@@ -14,6 +14,13 @@ DRAFTERS = ("vegas", "streaming", "quest", "snapkv", "specextend", "oracle", "de
 COLLECT = ("two", "all", "last")
 SCORES = ("logit", "weight")
 GRANULARITIES = ("layer", "kv_head")
+# Whose selection rule a vegas or streaming draft follows: this engine's, or the one the
+# Vegas authors' vLLM fork runs (docs/drafters.md, "The vLLM fork's rule").
+RULES = ("engine", "fork")
+FORK_RULE_DRAFTERS = ("vegas", "streaming")
+# The KV block size the fork's streamingllm works in: vLLM's default on CUDA, which a
+# serve config that sets no block-size gets (vllm/platforms/cuda.py).
+FORK_BLOCK = 16
 # At least a quarter of a vegas budget stays verification-guided.
 MAX_WINDOW = 0.75
 # Most draft tokens per iteration the engine accepts (the verify pass has gamma + 1 rows);
@@ -32,6 +39,46 @@ def draft_budget(prefix_len: _Length, sparsity: float, min_tokens: int) -> _Leng
         ratio = torch.ceil(prefix_len.double() * sparsity).long()
         return torch.minimum(torch.clamp(ratio, min=min_tokens), prefix_len)
     return min(max(min_tokens, math.ceil(sparsity * prefix_len)), prefix_len)
+
+
+def _ceil_f32(lengths: torch.Tensor, ratio: float) -> torch.Tensor:
+    """ceil(lengths * ratio) computed in float32, as the fork computes it on int32 lengths
+    (``3000 * 0.07`` is 210 there, 210.00000000000003 in float64)."""
+    return torch.ceil(lengths.to(torch.float32) * ratio).long()
+
+
+def fork_budget(seq_len: _Length, ratio: float, min_tokens: int, max_model_len: int | None,
+                valid_len: _Length) -> _Length:
+    """The fork's vegas budget (``VegasAttnOverrider._verify_attention``):
+    ``clamp(ceil(seq_len * ratio), min_tokens, max(ceil(max_model_len * ratio),
+    min_tokens))``, at most ``valid_len`` (the slots it ranks). ``seq_len`` is the key
+    count of the pass that scored (a verify window's last row sees them all); the upper
+    bound never binds while ``seq_len <= max_model_len``; None: no upper bound."""
+    lengths = seq_len if torch.is_tensor(seq_len) else torch.tensor(seq_len)
+    budget = torch.clamp(_ceil_f32(lengths, ratio), min=min_tokens)
+    if max_model_len is not None:
+        budget = torch.clamp(budget, max=max(math.ceil(max_model_len * ratio), min_tokens))
+    valid = valid_len if torch.is_tensor(valid_len) else torch.tensor(valid_len)
+    budget = torch.minimum(budget, valid.to(budget.device))
+    return budget if torch.is_tensor(seq_len) else int(budget)
+
+
+def fork_stream_window_start(position: torch.Tensor, ratio: float, min_tokens: int,
+                             max_model_len: int | None, block: int = FORK_BLOCK
+                             ) -> torch.Tensor:
+    """[B] first slot of the fork's streamingllm window for draft queries at ``position``
+    [B] (``StreamingLLMAttnOverrider._may_update_attn_metadata``): the last
+    ``ceil(max(seq_len * ratio, min_tokens) / block)`` whole blocks up to the query's own
+    block, at most ``ceil(max(ceil(max_model_len * ratio), min_tokens) / block) - 1``
+    of them, never block 0 (the sink block, kept besides). ``seq_len = position + 1``
+    counts the query itself: the window holds the tokens since the last verification."""
+    tokens = torch.clamp((position + 1).to(torch.float32) * ratio, min=min_tokens)
+    blocks = torch.ceil(tokens / block).long()
+    if max_model_len is not None:
+        most = max(math.ceil(max_model_len * ratio), min_tokens)
+        blocks = torch.clamp(blocks, max=-(-most // block) - 1)
+    last = torch.div(position, block, rounding_mode="floor")
+    return torch.clamp(last - blocks + 1, min=1) * block
 
 
 @dataclass(frozen=True)
@@ -53,6 +100,12 @@ class SpecConfig:
     window: ``vegas`` only: the share of the budget (0 to 0.75) reserved for 16 sink
         tokens and the most recent prefix tokens; the rest is the verification-guided
         top-k. 0 is the paper's rule.
+    rule: ``engine`` (this engine's rule) or ``fork`` (what the authors' vLLM fork runs;
+        ``vegas`` and ``streaming`` only). ``vegas``: the first selection ranks every
+        prompt slot by the prompt's last row; later ones rank the prefix and the
+        verified window's first slot, with the budget ``fork_budget`` of the verify
+        pass's key count. ``streaming``: a sink block and whole blocks up to each draft
+        query, the recent tokens within the budget (``fork_stream_window_start``).
     """
 
     drafter: str = "vegas"
@@ -63,10 +116,12 @@ class SpecConfig:
     score: str = "logit"
     granularity: str = "layer"
     window: float = 0.0
+    rule: str = "engine"
 
     def __post_init__(self) -> None:
         for name, allowed in (("drafter", DRAFTERS), ("collect", COLLECT),
-                              ("score", SCORES), ("granularity", GRANULARITIES)):
+                              ("score", SCORES), ("granularity", GRANULARITIES),
+                              ("rule", RULES)):
             value = getattr(self, name)
             if value not in allowed:
                 raise VegasError(f"unknown {name} '{value}'; choose one of: {', '.join(allowed)}")
@@ -78,6 +133,9 @@ class SpecConfig:
             raise VegasError(f"window must be between 0 and {MAX_WINDOW}, got {self.window}")
         if self.min_tokens < 1:
             raise VegasError(f"min_tokens must be >= 1, got {self.min_tokens}")
+        if self.rule == "fork" and self.drafter not in FORK_RULE_DRAFTERS:
+            raise VegasError(f"rule 'fork' is the vLLM fork's rule for "
+                             f"{' and '.join(FORK_RULE_DRAFTERS)}, not for '{self.drafter}'")
 
     def to_dict(self) -> dict:
         return asdict(self)

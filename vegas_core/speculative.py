@@ -28,7 +28,7 @@ from vegas_core.loading import LoadedModel
 from vegas_core.prefill import PrefixCache, ProgressFn, prefill, sync
 from vegas_core.sampling import SamplingParams, choose_tokens, probabilities
 from vegas_core.scores import ScoreCollector
-from vegas_core.selection import SelectionInputs, draft_budget, make_drafter
+from vegas_core.selection import SelectionInputs, draft_budget, for_draft_step, make_drafter
 from vegas_core.spec_config import SpecConfig
 
 
@@ -72,8 +72,11 @@ class SpeculativeSession:
                  prefix_cache: PrefixCache | None = None) -> None:
         self.model, self.spec, self.params = model, spec, params
         self.net, self.dev, self.window = model.net, model.device, model.config.window
+        # The longest sequence this call can make: what the vLLM export serves as
+        # max-model-len (the prompt plus the new tokens), which bounds the fork's budgets.
+        max_model_len = max(len(p) for p in prompt_ids) + max_new_tokens
         self.drafter = make_drafter(spec, model.config.num_layers,
-                                    model.config.selection_layers)
+                                    model.config.selection_layers, max_model_len)
         self.batch = len(prompt_ids)
         self.generator = torch.Generator(device=self.dev).manual_seed(params.seed)
         self.iteration = 0
@@ -115,21 +118,24 @@ class SpeculativeSession:
                               deferrable=d.kernel_scores, scores_out=self._scores_out)
 
     def _select(self, collector: ScoreCollector | None, window_rows: int,
-                last_row: torch.Tensor, prefix_len: torch.Tensor, prefix_max: int) -> None:
+                last_row: torch.Tensor, start: torch.Tensor, start_max: int) -> None:
+        """Select after the window of ``window_rows`` rows verified from slot ``start``
+        [B] (``start_max``: its largest value, on the host)."""
         scores = None
         if collector is not None:
             scores = collector.finish(lambda: self.drafter.score_rows(window_rows, last_row))
-        budget = draft_budget(prefix_len, self.spec.sparsity, self.spec.min_tokens)
+        prefix_len, budget = self.drafter.bounds(start, window_rows)
+        prefix_max, budget_max = self.drafter.bounds(start_max, window_rows)
         self.selection = self.drafter.select(SelectionInputs(
             scores, window_rows, last_row, prefix_len, budget, self.iteration,
-            self.model.config.num_layers, prefix_max))
+            self.model.config.num_layers, prefix_max, budget_max))
 
     @torch.inference_mode()
     def _prefill(self, prompt_ids: list[list[int]], chunk: int | None, progress,
                  prefix_cache) -> None:
         """Prefill all but the last W prompt tokens in chunks, then the last W as a
         verify-style window, whose scores make the first selection."""
-        w = min(max(self.spec.gamma + 1, self.drafter.prefill_rows), min(self.host_lengths))
+        w = min(self.drafter.prefill_window(self.spec.gamma), min(self.host_lengths))
         head = [p[: len(p) - w] for p in prompt_ids]
         if max(len(h) for h in head) > 0:
             prefill(self.model, head, self.cache, chunk=chunk, progress=progress,
@@ -186,8 +192,8 @@ class SpeculativeSession:
         drafts, draft_probs = [], []
         current = self.pending
         for i in range(gamma):
-            logits = self.forwards.draft(self.selection, current[:, None], (n + i)[:, None],
-                                         longest + i + 1)
+            logits = self.forwards.draft(for_draft_step(self.selection, i), current[:, None],
+                                         (n + i)[:, None], longest + i + 1)
             if params.greedy:
                 current = logits.argmax(-1)
             else:

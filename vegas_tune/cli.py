@@ -400,6 +400,8 @@ def bench(
     min_tokens: int = typer.Option(256), collect: str = typer.Option("two"),
     score: str = typer.Option("logit"), granularity: str = typer.Option("layer"),
     window: float = typer.Option(0.0),
+    rule: str = typer.Option("engine", help="engine, or fork: the vLLM fork's selection rule "
+                             "(vegas and streaming; docs/drafters.md)."),
     batch_size: int = typer.Option(1), max_new_tokens: int = typer.Option(64),
     num_prompts: Optional[int] = typer.Option(None, help="Prompts measured."),
     temperature: float = typer.Option(0.0),
@@ -421,7 +423,7 @@ def bench(
     try:
         spec = SpecConfig(drafter=drafter, gamma=gamma, sparsity=sparsity,
                           min_tokens=min_tokens, collect=collect, score=score,
-                          granularity=granularity, window=window)
+                          granularity=granularity, window=window, rule=rule)
     except VegasError as e:
         # SpecConfig says "gamma must be ..."; the user typed --gamma.
         field = str(e).split()[0]
@@ -645,7 +647,7 @@ def show(profile: Path = typer.Argument(..., help="Profile YAML."),
                f"batch {sizes}, dataset {p.workload.dataset}")
     at = f" (batch {p.headline.batch_size})" if len(p.schedule) > 1 else ""
     typer.echo(f"  tuned for {p.target}{at}: {tuned_words(p.tuned)}; collect {p.tuned.collect}, "
-               f"granularity {p.tuned.granularity}")
+               f"granularity {p.tuned.granularity}, rule {p.tuned.rule}")
     typer.echo(f"  {figure('tokens_per_second', ' tok/s', 1)}; vanilla "
                f"{figure('vanilla_tokens_per_second', ' tok/s', 1)}; best streaming "
                f"{figure('streaming_tokens_per_second', ' tok/s', 1)}")

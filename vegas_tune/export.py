@@ -5,11 +5,12 @@ speculative config carries gamma, the algorithm (``vegas`` or ``streamingllm``),
 sparsity ratio and the minimum budget, and it validates them: ``num_speculative_tokens``
 > 0, 0 < ``sparse_attn_ratio`` < 1 (strictly: a ratio of 1, dense drafts, is not servable
 there), no unknown keys. The fork has no setting for ``collect``, ``score``,
-``granularity`` or ``window``: it collects the first and last verify rows over all query
-heads into one top-k per layer, ranks by softmax weights (a code constant), and reserves
-no sink/window share. It sizes its score buffer from ``max_num_seqs`` x
-``max_model_len``, so the serve config sets both: the served concurrency and the tuned
-context plus new tokens.
+``granularity``, ``window`` or ``rule``: it collects the first and last verify rows over
+all query heads into one top-k per layer, ranks by softmax weights (a code constant),
+reserves no sink/window share, and chooses its candidates, budget and streaming window
+by its own rule (this engine's ``rule: fork``, docs/drafters.md). It sizes its score
+buffer from ``max_num_seqs`` x ``max_model_len``, so the serve config sets both: the
+served concurrency and the tuned context plus new tokens.
 
 A profile records the target it was tuned for (``vllm``: only what the fork runs was
 searched; ``vegas``: every option of this engine). ``render_export`` to the other target

@@ -154,13 +154,15 @@ def write_partial(path: Path, key: dict, result: GridResult) -> None:
 
 def _point_row(point: Point, spec: SpecConfig) -> dict:
     return {"drafter": spec.drafter, "score": spec.score, "window": spec.window,
-            "budget": point.budget, "gamma": point.gamma, "sparsity": spec.sparsity,
-            "min_tokens": spec.min_tokens}
+            "rule": spec.rule, "budget": point.budget, "gamma": point.gamma,
+            "sparsity": spec.sparsity, "min_tokens": spec.min_tokens}
 
 
 def spec_of_row(row: dict) -> SpecConfig:
+    # Rows written before the fork's rule existed ran this engine's.
     return SpecConfig(drafter=row["drafter"], gamma=row["gamma"], sparsity=row["sparsity"],
-                      min_tokens=row["min_tokens"], score=row["score"], window=row["window"])
+                      min_tokens=row["min_tokens"], score=row["score"], window=row["window"],
+                      rule=row.get("rule", "engine"))
 
 
 def compare(measurer: Measurer, configs: dict[str, SpecConfig], rounds: int,

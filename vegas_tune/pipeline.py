@@ -25,7 +25,7 @@ from vegas_tune.report import (plot_acceptance_vs_budget, plot_throughput_vs_bat
 from vegas_tune.progress import ProgressCallback
 from vegas_tune.stats import CONFIDENCE
 from vegas_tune.preflight import check_values
-from vegas_tune.space import Point
+from vegas_tune.space import Point, selections
 from vegas_tune.steps import RACE
 from vegas_tune.studies import check_study
 from vegas_tune.settings import TuneSettings, study_location
@@ -226,7 +226,7 @@ def tuned_settings(spec) -> dict:
     """A ``SpecConfig`` as the profile's ``Tuned`` mapping (``sparsity_ratio``)."""
     return dict(drafter=spec.drafter, gamma=spec.gamma, sparsity_ratio=spec.sparsity,
                 min_tokens=spec.min_tokens, collect=spec.collect, score=spec.score,
-                granularity=spec.granularity, window=spec.window)
+                granularity=spec.granularity, window=spec.window, rule=spec.rule)
 
 
 def schedule_reason(spec, results: dict, wins: bool) -> str:
@@ -258,14 +258,17 @@ def settings_fingerprint(settings: TuneSettings, hardware: dict) -> dict:
     """What a study's measurements depend on, as far as the settings say; the tuner adds
     the model's dtype and the prompts' hash. Resuming a study recorded with another
     fingerprint would mix workloads in one profile, so it is refused. The number of
-    candidates and the time budget are left out: resuming with more is the point."""
+    candidates and the time budget are left out: resuming with more is the point. The
+    selection rule the target measures under is in it: a study recorded before the fork's
+    rule existed measured this engine's under either target."""
     o = settings.options
     return {"model": settings.model, "device": hardware.get("gpu_name") or "cpu",
             "hardware": {k: hardware.get(k) for k in STUDY_HARDWARE_KEYS},
             "ctx": settings.ctx, "dataset": settings.dataset, "num_prompts": settings.num_prompts,
             "batch_sizes": list(settings.batch_sizes), "max_new_tokens": settings.max_new_tokens,
             "temperature": settings.temperature, "seed": settings.seed,
-            "target": o.target, "budgets": list(o.budgets), "probe_gamma": o.probe_gamma,
+            "target": o.target, "selection_rule": selections(o.target)[0].rule,
+            "budgets": list(o.budgets), "probe_gamma": o.probe_gamma,
             "max_rounds": o.max_rounds, "precision": o.precision}
 
 

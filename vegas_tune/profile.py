@@ -40,7 +40,7 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
 from vegas_core.errors import VegasError
 from vegas_core.yamlio import MAX_YAML_BYTES, read_yaml, read_yaml_file  # noqa: F401 (public here too)
 from vegas_core.spec_config import (COLLECT, DRAFTERS, GRANULARITIES, MAX_GAMMA, MAX_WINDOW,
-                                    SCORES, SpecConfig)
+                                    RULES, SCORES, SpecConfig)
 from vegas_core.schedule import VANILLA, SpecSchedule  # VANILLA: public here too
 from vegas_tune.options import TARGETS
 from vegas_tune.serving import (VLLM_SPECULATIVE_KEY, VLLM_TARGET, engine_settings,
@@ -48,9 +48,9 @@ from vegas_tune.serving import (VLLM_SPECULATIVE_KEY, VLLM_TARGET, engine_settin
                                 vllm_speculative_config)
 from vegas_tune.space import fits_target
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 # Profiles of these older versions are read by upgrading them (``profile_from_dict``).
-UPGRADABLE_VERSIONS = (2, 3)
+UPGRADABLE_VERSIONS = (2, 3, 4)
 
 # Relative slack when checking low <= value <= high: floating-point sums, and a mean and
 # its interval ends rounded to different digits, can leave a mean a last digit outside.
@@ -159,12 +159,14 @@ class Tuned(_Strict):
     granularity: Annotated[str, _one_of(GRANULARITIES)]
     window: float = Field(ge=0.0, le=MAX_WINDOW,
                           description="budget share reserved for sink and recent tokens")
+    rule: Annotated[str, _one_of(RULES)] = Field(
+        default="engine", description="this engine's selection rule, or the vLLM fork's")
 
     def spec(self) -> SpecConfig:
         """The engine's configuration for these settings."""
         return SpecConfig(drafter=self.drafter, gamma=self.gamma, sparsity=self.sparsity_ratio,
                           min_tokens=self.min_tokens, collect=self.collect, score=self.score,
-                          granularity=self.granularity, window=self.window)
+                          granularity=self.granularity, window=self.window, rule=self.rule)
 
 
 class ModelInfo(_Strict):
@@ -620,7 +622,7 @@ def _check_exports(exports: Exports, tuned: Tuned, workload: Workload, batch: in
 
 
 def _version_message(found: Any) -> str:
-    older = " and ".join(map(str, UPGRADABLE_VERSIONS))
+    older = ", ".join(map(str, UPGRADABLE_VERSIONS[:-1])) + f" and {UPGRADABLE_VERSIONS[-1]}"
     return (f"unsupported schema_version {found!r}; this vegas-tune reads version "
             f"{SCHEMA_VERSION} (and upgrades {older}); re-run the tuner, or use the "
             "vegas-tune that wrote it")
@@ -668,6 +670,9 @@ def profile_from_dict(data: Any, source: str = "<dict>") -> Profile:
         version = 3
     if version == 3:
         data = _upgrade_from_3(data, source)
+        version = 4
+    if version == 4:
+        data = _upgrade_from_4(data)
     elif version != SCHEMA_VERSION:
         raise VegasError(f"{source}: invalid profile: schema_version: {_version_message(version)}")
     try:
@@ -721,10 +726,31 @@ def _upgrade_from_3(data: dict, source: str) -> dict:
             Tuned.model_validate(upgraded["tuned"]), "vegas")
     except (KeyError, TypeError, ValidationError):
         pass  # validating the upgraded data names what is wrong
+    upgraded["schema_version"] = 4
+    return _in_schema_order(upgraded)
+
+
+def _upgrade_from_4(data: dict) -> dict:
+    """A schema 4 profile as schema 5: its configurations ran this engine's selection
+    rule (``rule: engine``, the default), so one tuned for ``vllm`` becomes tuned for
+    this engine (the fork's rule differs: docs/drafters.md); the vegas export gains
+    ``rule`` and the vLLM note is regenerated. Its figures and steps are unchanged."""
+    upgraded = copy.deepcopy(data)
+    upgraded["target"] = "vegas"
+    try:
+        upgraded["exports"]["vegas"]["rule"] = "engine"
+        upgraded["exports"]["vllm"]["note"] = vllm_note(
+            Tuned.model_validate(upgraded["tuned"]), "vegas")
+    except (KeyError, TypeError, ValidationError):
+        pass  # validating the upgraded data names what is wrong
     upgraded["schema_version"] = SCHEMA_VERSION
-    # Keys in schema order, as a profile written now would have them.
+    return _in_schema_order(upgraded)
+
+
+def _in_schema_order(data: dict) -> dict:
+    """Keys in schema order, as a profile written now would have them."""
     order = list(Profile.model_fields)
-    return {key: upgraded[key] for key in sorted(upgraded, key=lambda k: (
+    return {key: data[key] for key in sorted(data, key=lambda k: (
         order.index(k) if k in order else len(order)))}
 
 

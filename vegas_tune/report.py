@@ -379,7 +379,8 @@ def write_report(profile: dict, trials: list[dict], path, images: dict[str, str]
 _CHANGE_FIELDS = (
     ("target", None), ("recommended", None),
     *((f"tuned.{k}", None) for k in ("drafter", "gamma", "sparsity_ratio", "min_tokens",
-                                         "collect", "score", "granularity", "window")),
+                                         "collect", "score", "granularity", "window",
+                                         "rule")),
     ("results.tokens_per_second", ".1f"), ("results.vanilla_tokens_per_second", ".1f"),
     ("results.streaming_tokens_per_second", ".1f"), ("results.speedup", ".2f"),
     ("results.speedup_over_streaming", ".2f"), ("results.mean_accepted_length", ".2f"),

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
-from vegas_tune.space import FORK_ALGORITHMS, FORK_VEGAS
+from vegas_tune.space import FORK_ALGORITHMS, FORK_SETTINGS
 
 if TYPE_CHECKING:  # for annotations only: profile imports this module
     from vegas_tune.profile import Tuned
@@ -20,17 +20,14 @@ VLLM_NOTE = (
     "stock vLLM rejects unknown speculative keys (its config forbids extra fields). Only "
     "gamma, the algorithm (vegas or streamingllm), sparsity ratio and min_tokens carry over: "
     "the fork's score mode is a code constant (softmax weights), and it fixes collection "
-    "(first and last verify rows), granularity (one top-k per layer) and window (none)."
+    "(first and last verify rows), granularity (one top-k per layer), window (none) and "
+    "its selection rule (this engine's rule 'fork': its candidates, budget clamp and "
+    "block-wise streaming window)."
 )
 # Said of a profile tuned for the fork: the configuration exported is the one measured.
 VLLM_MEASURED = (
     " Tuned with --target vllm: every configuration searched was one the fork runs, and "
     "this is the one measured fastest.")
-# The one way the engine's streaming drafter and the fork's differ.
-STREAMING_NOTE = (
-    " The fork's streamingllm keeps its first KV block and the most recent blocks (block "
-    "granularity, the block on top of the budget); this engine keeps 16 sink tokens and "
-    "the most recent tokens within the budget.")
 
 VLLM_METHOD = "sparse_attn"
 # The key `vllm serve --config file.yaml` reads the speculative settings from.
@@ -76,15 +73,14 @@ def vllm_note(tuned: Tuned, target: str) -> str:
         return (f"{VLLM_NOTE} This configuration drafts densely (sparsity ratio "
                 f"{tuned.sparsity_ratio:g}); the fork needs 0 < ratio < 1, so there is no "
                 "speculative config.")
-    streaming = STREAMING_NOTE if tuned.drafter == "streaming" else ""
-    differs = [] if tuned.drafter != "vegas" else [
-        f"{name} {getattr(tuned, name)!r} (fork: {fixed!r})"
-        for name, fixed in FORK_VEGAS.items() if getattr(tuned, name) != fixed]
+    differs = [f"{name} {getattr(tuned, name)!r} (fork: {fixed!r})"
+               for name, fixed in FORK_SETTINGS[tuned.drafter].items()
+               if getattr(tuned, name) != fixed]
     if differs:
         return (f"{VLLM_NOTE} Tuned for this engine with {', '.join(differs)}: the fork's "
                 "acceptance and selection cost may differ from this profile's figures.")
     measured = VLLM_MEASURED if target == "vllm" else ""
-    return VLLM_NOTE + measured + streaming
+    return VLLM_NOTE + measured
 
 
 def engine_settings(tuned: Tuned) -> dict[str, Any]:
@@ -98,6 +94,7 @@ def engine_settings(tuned: Tuned) -> dict[str, Any]:
         "score": tuned.score,
         "granularity": tuned.granularity,
         "window": tuned.window,
+        "rule": tuned.rule,
     }
 
 

@@ -1,8 +1,8 @@
 """The tuner's search space: which draft rules a deployment target can run, budgets in KV
 slots, and the configurations they make.
 
-A configuration is a ``Point``: a ``Selection`` (drafter, score, window: how a draft picks
-its K/V), a budget (KV slots per layer and sequence) and gamma. The budget is searched as
+A configuration is a ``Point``: a ``Selection`` (drafter, score, window, rule: how a draft
+picks its K/V), a budget (KV slots per layer and sequence) and gamma. The budget is searched as
 a number of slots, never as a ratio (ratios of one context collapse onto the same
 ``min_tokens`` floor); ``Point.spec`` writes it as the engine's pair: ``min_tokens`` =
 the budget, and a ratio small enough that the budget is exactly that many slots at every
@@ -12,9 +12,11 @@ Targets (``TuneOptions.target``):
 
 - ``vllm``, the authors' vLLM fork: ``sparse_attn_algorithm: vegas`` (softmax-weight
   scores of the first and last verify rows, one top-k per layer, no sink/recent share)
-  or ``streamingllm``; gamma, ratio and min_tokens are its only other settings.
+  or ``streamingllm``, both measured under the fork's own rule (``rule: fork``: its
+  candidates, budget clamp, first selection and block-wise streaming window, see
+  docs/drafters.md); gamma, ratio and min_tokens are its only other settings.
 - ``vegas``, this engine: the vegas drafter with logit or weight scores and every window
-  share, and the streaming drafter.
+  share, and the streaming drafter, under this engine's rule.
 """
 
 from __future__ import annotations
@@ -25,10 +27,16 @@ from dataclasses import dataclass
 from vegas_core.spec_config import MAX_GAMMA, MAX_WINDOW, SpecConfig
 
 # The fork's fixed choices for its vegas algorithm (vllm/v1/spec_decode/sparse_attn:
-# SCORE_MODE = "weight", Collect-2-Query, one top-k per layer, no window).
-FORK_VEGAS = {"score": "weight", "collect": "two", "granularity": "layer", "window": 0.0}
+# SCORE_MODE = "weight", Collect-2-Query, one top-k per layer, no window, and its own
+# candidates, budget and first selection: rule "fork").
+FORK_VEGAS = {"score": "weight", "collect": "two", "granularity": "layer", "window": 0.0,
+              "rule": "fork"}
+# Its streamingllm: whole blocks, the recent tokens within the budget (rule "fork").
+FORK_STREAMING = {"rule": "fork"}
 # Drafters the fork runs, and its name for each.
 FORK_ALGORITHMS = {"vegas": "vegas", "streaming": "streamingllm"}
+# What the fork fixes for each of them.
+FORK_SETTINGS = {"vegas": FORK_VEGAS, "streaming": FORK_STREAMING}
 # Windows the vegas target searches: the paper's rule (0) up to the engine's maximum.
 WINDOWS = (0.0, 0.25, 0.5, MAX_WINDOW)
 SCORES = ("logit", "weight")
@@ -46,27 +54,31 @@ class Selection:
     drafter: str
     score: str = "logit"
     window: float = 0.0
+    rule: str = "engine"
 
     def words(self) -> str:
+        rule = " (fork rule)" if self.rule == "fork" else ""
         if self.drafter != "vegas":
-            return self.drafter
+            return self.drafter + rule
         window = f", window {self.window:g}" if self.window else ""
-        return f"vegas {self.score}{window}"
+        return f"vegas {self.score}{window}{rule}"
 
     @classmethod
     def of(cls, spec: SpecConfig) -> Selection:
         if spec.drafter != "vegas":
-            return cls(spec.drafter)
-        return cls("vegas", spec.score, spec.window)
+            return cls(spec.drafter, rule=spec.rule)
+        return cls("vegas", spec.score, spec.window, spec.rule)
 
 
 STREAMING = Selection("streaming")
+FORK_STREAMING_SELECTION = Selection("streaming", rule=FORK_STREAMING["rule"])
 
 
 def selections(target: str) -> list[Selection]:
     """The draft rules ``target`` can serve, vegas's first."""
     if target == "vllm":
-        return [Selection("vegas", FORK_VEGAS["score"], FORK_VEGAS["window"]), STREAMING]
+        return [Selection("vegas", FORK_VEGAS["score"], FORK_VEGAS["window"],
+                          FORK_VEGAS["rule"]), FORK_STREAMING_SELECTION]
     return [Selection("vegas", score, window) for score in SCORES for window in WINDOWS] + [
         STREAMING]
 
@@ -78,10 +90,9 @@ def fits_target(spec: SpecConfig, target: str) -> str | None:
     if spec.drafter not in FORK_ALGORITHMS:
         return (f"drafter {spec.drafter!r}: the vLLM fork runs only "
                 f"{' and '.join(FORK_ALGORITHMS)}")
-    if spec.drafter == "vegas":
-        for name, fixed in FORK_VEGAS.items():
-            if getattr(spec, name) != fixed:
-                return f"{name} {getattr(spec, name)!r}: the vLLM fork fixes it at {fixed!r}"
+    for name, fixed in FORK_SETTINGS[spec.drafter].items():
+        if getattr(spec, name) != fixed:
+            return f"{name} {getattr(spec, name)!r}: the vLLM fork fixes it at {fixed!r}"
     return None
 
 
@@ -113,7 +124,7 @@ class Point:
         s = self.selection
         return SpecConfig(drafter=s.drafter, gamma=self.gamma,
                           sparsity=budget_ratio(self.budget, longest_prefix),
-                          min_tokens=self.budget, score=s.score, window=s.window)
+                          min_tokens=self.budget, score=s.score, window=s.window, rule=s.rule)
 
     def with_gamma(self, gamma: int) -> Point:
         return Point(self.selection, self.budget, gamma)
@@ -135,7 +146,7 @@ def tuned_words(tuned) -> str:
     """A profile's tuned mapping (or ``Tuned``) in words: ``vegas weight, 256 slots,
     gamma 8 (ratio 0.0305 beyond them)``."""
     get = tuned.get if isinstance(tuned, dict) else lambda name: getattr(tuned, name)
-    selection = (Selection("vegas", get("score"), get("window")) if get("drafter") == "vegas"
-                 else Selection(get("drafter")))
+    selection = Selection.of(SpecConfig(drafter=get("drafter"), score=get("score"),
+                                        window=get("window"), rule=get("rule")))
     point = Point(selection, get("min_tokens"), get("gamma"))
     return f"{point.words()} (ratio {get('sparsity_ratio'):g} at longer contexts)"

@@ -455,7 +455,7 @@ class Steps:
         trial = [t for t in done if t.user_attrs.get("claim") == claim][-1]
         series, name = trial.user_attrs["series"], trial.user_attrs["chosen"]
         result = {"series": series, "chosen": name,
-                  "specs": {n: SpecConfig(**{k: s[k] for k in SpecConfig().to_dict()})
+                  "specs": {n: SpecConfig(**{k: s[k] for k in SpecConfig().to_dict() if k in s})
                             for n, s in series.items() if n != VANILLA}}
         return result, self._race_summary(result, landscape, points, search, study)
 

@@ -35,7 +35,7 @@ from vegas_core.spec_config import MAX_GAMMA
 from vegas_tune.measure import Measurer
 from vegas_tune.options import TuneOptions, parse_whole_numbers
 from vegas_tune.progress import ProgressCallback
-from vegas_tune.space import STREAMING, Selection, longest_prefix, selections
+from vegas_tune.space import Selection, longest_prefix, selections
 from vegas_tune.steps import (MIN_TOKENS_PER_MEASUREMENT, SWEEP, VANILLA, Measuring, Search,
                               StepResult, Steps, best_of, over, spec_of)
 from vegas_tune.studies import BudgetSpent, StepFailed, Studies, check_study
@@ -137,7 +137,8 @@ class Tuner:
         """What ``batch`` searches: every selection of the target at the largest size;
         below it, those the largest size raced (``raced``), and streaming."""
         allowed = selections(self.options.target)
-        chosen = allowed if raced is None else [s for s in allowed if s in raced or s == STREAMING]
+        chosen = allowed if raced is None else [s for s in allowed
+                                                if s in raced or s.drafter == "streaming"]
         limit = gamma_limit(self.max_new_tokens)
         return Search(batch, chosen, self.budgets, min(self.options.probe_gamma, limit),
                       longest_prefix(self.ctx, self.max_new_tokens), limit, self.ctx)
