@@ -22,9 +22,9 @@ from vegas_tune.profile import (SCHEMA_VERSION, Profile, Tuned, diff_profiles, l
 
 REPO = Path(__file__).resolve().parent.parent
 # A committed profile of schema 2: one batch size, not recommended.
-SCHEMA_2_FILE = REPO / "profiles" / "smollm2-135m" / "h200-4k.yaml"
+SCHEMA_2_FILE = REPO / "tests" / "data" / "profile-schema2.yaml"
 # A committed profile of schema 3: five batch sizes, tuned with score logit and window 0.75.
-SCHEMA_3_FILE = REPO / "profiles" / "smollm2-135m" / "h200-8k.yaml"
+SCHEMA_3_FILE = REPO / "tests" / "data" / "profile-schema3.yaml"
 MODEL_ID = "meta-llama/Llama-3.1-8B-Instruct"
 # The sample's served length: ctx 8192 plus 256 new tokens.
 MAX_MODEL_LEN = 8192 + 256

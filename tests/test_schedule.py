@@ -18,7 +18,7 @@ from tests.test_engine import tiny_model
 from tests.test_profile import TUNED, sample_profile, sample_profile_dict
 
 REPO = Path(__file__).resolve().parent.parent
-SCHEMA_2 = REPO / "profiles" / "smollm2-135m" / "h200-4k.yaml"
+SCHEMA_2 = REPO / "tests" / "data" / "profile-schema2.yaml"
 FAST = SpecConfig(gamma=3, sparsity=0.1, min_tokens=4)
 SLOW = SpecConfig(drafter="streaming", gamma=2, sparsity=0.2, min_tokens=8)
 
