@@ -6,6 +6,7 @@ import ast
 import pathlib
 
 import pytest
+import torch
 
 from vegas_core import SpecConfig, generate, graphs
 from tests.test_engine import prompt, tiny_model
@@ -122,3 +123,25 @@ def test_the_garbage_collector_is_paused_only_while_decoding():
     assert gc.isenabled()
     generate(tiny_model(), [prompt(20, 1)], max_new_tokens=4, ignore_eos=True, progress=progress)
     assert seen and not any(seen) and gc.isenabled()
+
+
+def test_forgetting_kept_graphs_keeps_the_cache():
+    """After an out-of-memory the tuner forgets the graphs and buffers kept for earlier
+    configurations; the workspace's cache (the prompts' K/V) must survive it."""
+    class Net:
+        def new_cache(self, batch, capacity):
+            return ("cache", batch, capacity)
+
+    net = Net()
+    space = graphs.Workspace(net, 2, graphs.CAPACITY_STEP, torch.device("cpu"))  # no pool on a CPU
+    graphs._workspaces[net] = space
+    try:
+        assert not graphs.forget_kept_graphs(net)  # nothing kept yet
+        space.get(("vanilla",), lambda: "graph")
+        space.put(("draft", 4), "graph")
+        assert graphs.forget_kept_graphs(net)
+        assert len(space) == 0 and space.find(("draft", 4)) is None
+        assert space.cache == ("cache", 2, graphs.CAPACITY_STEP)
+        assert graphs._workspaces[net] is space
+    finally:
+        graphs.release_workspace(net)

@@ -293,6 +293,27 @@ def test_out_of_memory_trial_is_recorded_and_tuning_goes_on(tmp_path, monkeypatc
     assert "out of memory" in trials and "FAIL" in trials
 
 
+def test_out_of_memory_frees_kept_graphs_and_measures_again(tmp_path, monkeypatch, capsys):
+    """A trial that runs out of memory while graphs of earlier configurations are kept
+    frees them and is measured again, instead of failing."""
+    failed_once, forgotten = set(), []
+
+    def measure(self, spec, report=None):
+        if spec is not None and spec.gamma == 4 and spec.min_tokens not in failed_once:
+            failed_once.add(spec.min_tokens)
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB")
+        return fake_measurement(120.0 if spec is not None else 100.0, gamma=spec.gamma if spec else 0)
+
+    monkeypatch.setattr("vegas_tune.measure.Measurer.measure", measure)
+    monkeypatch.setattr("vegas_tune.measure.Measurer.forget_kept_graphs",
+                        lambda self: forgotten.append(1) or True)
+    code, _, _ = run([*FAST, "--out", str(tmp_path / "p.yaml")], capsys)
+    assert code == 0
+    assert failed_once and len(forgotten) >= len(failed_once)
+    trials = (tmp_path / "p.trials.csv").read_text()
+    assert "out of memory" not in trials and "FAIL" not in trials
+
+
 @pytest.mark.parametrize("argv, fragment", [
     (["--ctx", "lots"], "--ctx 'lots'"),
     (["--model", "dummy:nope"], "unknown dummy preset"),

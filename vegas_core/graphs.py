@@ -170,8 +170,19 @@ class Workspace:
 
     def __init__(self, net, batch: int, capacity: int, device: torch.device) -> None:
         self.cache = net.new_cache(batch, capacity)
+        self.device = device
         self.pool = new_pool(device)
         self._items: dict[tuple, object] = {}
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def forget_items(self) -> None:
+        """Forget every kept graph and static buffer, keeping the cache (and the prompts
+        it holds): their memory returns once no session uses them. New graphs go to a
+        new pool, since the old one is freed only with the last graph captured in it."""
+        self._items.clear()
+        self.pool = new_pool(self.device)
 
     def get(self, key: tuple, make: Callable[[], object]) -> object:
         if key not in self._items:
@@ -204,6 +215,16 @@ def workspace(net, batch: int, min_len: int, device: torch.device) -> Workspace 
     capacity = -(-min_len // CAPACITY_STEP) * CAPACITY_STEP
     _workspaces[net] = Workspace(net, batch, capacity, device)
     return _workspaces[net]
+
+
+def forget_kept_graphs(net) -> bool:
+    """Forget the graphs and static buffers kept in the model's workspace (its cache
+    stays); False when there were none to forget."""
+    space = _workspaces.get(net)
+    if space is None or not len(space):
+        return False
+    space.forget_items()
+    return True
 
 
 def release_workspace(net) -> None:

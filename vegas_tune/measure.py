@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 
 from vegas_core import SpecConfig, generate
-from vegas_core.graphs import static_steps
+from vegas_core.graphs import forget_kept_graphs, static_steps
 from vegas_core.loading import LoadedModel
 from vegas_core.prefill import PrefixCache
 from vegas_tune.datasets import Prompt
@@ -114,6 +114,12 @@ class Measurer:
         kept = static_steps(model.device)
         self.prefix_cache = PrefixCache() if len(workload.batches()) > 1 or not kept else None
         self._warned_short = False
+
+    def forget_kept_graphs(self) -> bool:
+        """Free the graphs and static buffers kept for configurations measured before
+        (each gamma and budget keeps its own); the prompts' K/V stay. False when none
+        were kept."""
+        return forget_kept_graphs(self.model.net)
 
     def measure(self, spec: SpecConfig | None, report: BatchReport | None = None) -> Measurement:
         w = self.workload

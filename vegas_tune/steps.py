@@ -109,17 +109,34 @@ class Measuring:
         self.studies, self.measurers, self.options = studies, measurers, options
 
     def guarded(self, trial, claim: str, measure: Callable[[], object]):
-        """Claim ``claim`` for ``trial`` (``Studies.claim``), then run ``measure``; an
-        out-of-memory trial fails with its reason recorded (not retried on resume) and
-        the tuner goes on."""
+        """Claim ``claim`` for ``trial`` (``Studies.claim``), then run ``measure``. Out
+        of memory, it runs once more after freeing the graphs kept for configurations
+        measured earlier: where the cache fills most of the GPU, those (one set per gamma
+        and budget) are what a new configuration lacks room for. Out of memory again, the
+        trial fails with its reason recorded (not retried on resume) and the tuner goes
+        on."""
         self.studies.claim(trial.study, trial, claim)
         try:
             with self.studies.interrupts.interruptible():
-                return measure()
+                try:
+                    return measure()
+                except torch.cuda.OutOfMemoryError:
+                    if not self._forget_kept_graphs():
+                        raise
+                    log.info("out of memory: freed the graphs kept for earlier "
+                             "configurations, measuring again")
+                    return measure()
         except torch.cuda.OutOfMemoryError as e:
             trial.set_user_attr("failed_reason", f"out of memory: {str(e).splitlines()[0]}")
             torch.cuda.empty_cache()
             raise
+
+    def _forget_kept_graphs(self) -> bool:
+        """Free every measurer's kept graphs (one model: one workspace); False when
+        there was nothing to free."""
+        freed = any([m.forget_kept_graphs() for m in self.measurers.values()])
+        torch.cuda.empty_cache()
+        return freed
 
     @staticmethod
     def store(trial, attrs: dict, spec: SpecConfig | None) -> None:
