@@ -153,7 +153,9 @@ def writing_prompt(tokenizer, encode, i: int, ctx: int) -> Prompt:
     kind = ("code", "prose")[i % 2]
     source = code_prompt if kind == "code" else prose_prompt
     message = WRITING_REQUESTS[kind] + WRITING_PLACEHOLDER
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": message}])
+    # A tokenizer without templates (or a model without one) gets the request as it is.
+    template = getattr(tokenizer, "apply_chat_template", None)
+    rendered = template([{"role": "user", "content": message}]) if template else message
     head_text, tail_text = rendered.split(WRITING_PLACEHOLDER)
     head = encode(head_text)
     bos = getattr(tokenizer, "bos_token_id", None)
