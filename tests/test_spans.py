@@ -16,39 +16,33 @@ from vegas_tune.spans import (SpanLayout, prompts_for_rows, reference_continuati
 from tests.test_engine import prompt, tiny_model
 
 
-def test_timed_spans_are_centred_on_equal_strata_and_do_not_overlap():
-    layout = SpanLayout(generation_tokens=6000, spans=4, span_tokens=256, warmup_tokens=64)
+def test_spans_are_centred_on_equal_strata_and_do_not_overlap():
+    layout = SpanLayout(generation_tokens=6000, spans=4, span_tokens=256)
     starts = layout.starts()
-    assert starts == sorted(starts) and len(starts) == 4
+    assert starts == [622, 2122, 3622, 5122]
     for j, start in enumerate(starts):
-        timed_lo = start + layout.warmup_tokens
-        midpoint = (j + 0.5) * 6000 / 4
-        assert timed_lo + layout.span_tokens / 2 == pytest.approx(midpoint, abs=0.5)
+        assert start + layout.span_tokens / 2 == pytest.approx((j + 0.5) * 6000 / 4, abs=0.5)
     ends = [s + layout.max_new_tokens for s in starts]
     assert all(end <= nxt for end, nxt in zip(ends, starts[1:]))
-    assert ends[-1] <= 6000
-    assert layout.reference_tokens == starts[-1]
-
-
-def test_the_first_span_starts_at_the_prompt_when_its_warm_up_reaches_back_past_it():
-    layout = SpanLayout(generation_tokens=400, spans=4, span_tokens=16, warmup_tokens=64)
-    assert layout.starts()[0] == 0
-    assert layout.starts()[1] == round(1.5 * 100 - 8) - 64
+    assert ends[-1] <= 6000 and layout.reference_tokens == starts[-1]
+    # Spans as long as their strata tile the generation.
+    tiled = SpanLayout(generation_tokens=400, spans=4, span_tokens=100)
+    assert tiled.starts() == [0, 100, 200, 300]
 
 
 @pytest.mark.parametrize("spans, span_tokens, fragment", [
     (0, 16, "--spans must be >= 1"),
     (2, 0, "--span-tokens must be >= 1"),
-    (8, 64, "do not fit apart in --max-new-tokens 1000"),
+    (8, 126, "do not fit apart in --max-new-tokens 1000"),
 ])
 def test_spans_that_do_not_fit_the_generation_are_refused_naming_the_options(
         spans, span_tokens, fragment):
     with pytest.raises(VegasError, match=fragment):
-        SpanLayout(1000, spans, span_tokens, warmup_tokens=64)
+        SpanLayout(1000, spans, span_tokens)
 
 
 def test_rows_hold_every_span_deepest_first_from_the_prompt_and_its_reference():
-    layout = SpanLayout(generation_tokens=40, spans=2, span_tokens=4, warmup_tokens=2)
+    layout = SpanLayout(generation_tokens=40, spans=2, span_tokens=4)
     prompts = [Prompt("a", [1, 2]), Prompt("b", [3])]
     continuations = [list(range(100, 140)), list(range(200, 240))]
     rows = span_rows(prompts, continuations, layout)
@@ -66,16 +60,18 @@ def test_a_warm_up_is_decoded_but_neither_timed_nor_counted_for_acceptance():
     ids = [prompt(24, seed) for seed in range(2)]
     spec = SpecConfig(drafter="streaming", gamma=3, sparsity=0.2, min_tokens=8)
     whole = generate(model, ids, 30, spec=spec, ignore_eos=True)
-    warmed = generate(model, ids, 30, spec=spec, ignore_eos=True, warmup_tokens=12)
+    warmed = generate(model, ids, 30, spec=spec, ignore_eos=True, warmup_iterations=2)
     assert warmed.tokens == whole.tokens
     assert warmed.stats.iterations == whole.stats.iterations
-    assert 0 < warmed.stats.sequence_rounds < whole.stats.sequence_rounds
-    assert 0 < warmed.stats.steady_iterations < whole.stats.steady_iterations
-    vanilla = generate(model, ids, 30, ignore_eos=True, warmup_tokens=12)
-    # One token per step: the steps that start with 12 tokens or more, 18 of 29.
-    assert vanilla.stats.steady_iterations == 30 - 12
-    with pytest.raises(VegasError, match="warmup_tokens must be in"):
-        generate(model, ids, 8, warmup_tokens=8)
+    # Both sequences decode in every iteration: two rounds each left out.
+    assert warmed.stats.sequence_rounds == whole.stats.sequence_rounds - 2 * 2
+    assert warmed.stats.steady_iterations == whole.stats.steady_iterations - 2
+    vanilla = generate(model, ids, 30, ignore_eos=True, warmup_iterations=5)
+    # One token per step, 29 steps after the prefill's token: 5 left out.
+    assert vanilla.stats.steady_iterations == 29 - 5
+    assert vanilla.stats.steady_tokens == 2 * (29 - 5)
+    with pytest.raises(VegasError, match="warmup_iterations must be >= 0"):
+        generate(model, ids, 8, warmup_iterations=-1)
 
 
 SPAN_SPECS = [
@@ -89,26 +85,26 @@ SPAN_SPECS = [
 @pytest.mark.parametrize("spec", SPAN_SPECS, ids=lambda s: f"{s.drafter}-{s.rule}")
 def test_a_spans_greedy_output_is_the_whole_generations_at_its_positions(spec):
     model = tiny_model()
-    layout = SpanLayout(generation_tokens=120, spans=3, span_tokens=12, warmup_tokens=6)
+    layout = SpanLayout(generation_tokens=120, spans=3, span_tokens=18)
     prompts = [Prompt(f"p{i}", prompt(20, i)) for i in range(2)]
     # The whole generation, vanilla: the reference a span's output must equal.
     whole = reference_continuations(model, [p.ids for p in prompts], 120, batch_size=2)
     rows = span_rows(prompts, whole, layout)
     out = generate(model, [r.ids for r in rows], layout.max_new_tokens, spec=spec,
-                   ignore_eos=True, warmup_tokens=layout.warmup_tokens).tokens
+                   ignore_eos=True, warmup_iterations=layout.warmup_iterations).tokens
     for row, tokens in zip(rows, out):
         name, start = row.name.split("@")
         assert tokens == whole[int(name[1:])][int(start):int(start) + layout.max_new_tokens]
 
 
 def test_smollm2_spans_of_a_writing_prompt_match_vanilla_greedy(smollm):
-    layout = SpanLayout(generation_tokens=96, spans=2, span_tokens=16, warmup_tokens=8)
+    layout = SpanLayout(generation_tokens=96, spans=2, span_tokens=20)
     prompts = load_prompts(smollm.tokenizer, "writing", 96, 1)
     whole = reference_continuations(smollm, [p.ids for p in prompts], 96, batch_size=1)
     rows = span_rows(prompts, whole, layout)
     spec = SpecConfig(drafter="vegas", gamma=4, sparsity=0.1, min_tokens=32)
     out = generate(smollm, [r.ids for r in rows], layout.max_new_tokens, spec=spec,
-                   ignore_eos=True, warmup_tokens=layout.warmup_tokens).tokens
+                   ignore_eos=True, warmup_iterations=layout.warmup_iterations).tokens
     for row, tokens in zip(rows, out):
         start = int(row.name.rsplit("@", 1)[1])
         assert tokens == whole[0][start:start + layout.max_new_tokens]
@@ -116,27 +112,27 @@ def test_smollm2_spans_of_a_writing_prompt_match_vanilla_greedy(smollm):
 
 def test_the_measurer_times_only_the_spans_after_their_warm_up():
     model = tiny_model()
-    layout = SpanLayout(generation_tokens=160, spans=4, span_tokens=16, warmup_tokens=8)
+    layout = SpanLayout(generation_tokens=160, spans=4, span_tokens=16)
     prompts = [Prompt(f"p{i}", prompt(24, i)) for i in range(2)]
     continuations = reference_continuations(model, [p.ids for p in prompts],
                                             layout.reference_tokens, batch_size=2)
     rows = span_rows(prompts, continuations, layout)
-    workload = Workload(rows, 4, layout.max_new_tokens, warmup_tokens=layout.warmup_tokens,
-                        positions=24 + 160)
-    assert workload.longest_sequence == 184 and workload.timed_new_tokens == 16
+    workload = Workload(rows, 4, layout.max_new_tokens,
+                        warmup_iterations=layout.warmup_iterations, positions=24 + 160)
+    assert workload.longest_sequence == 184
     vanilla = Measurer(model, workload).measure(None)
-    # Two batches of four rows; each times the steps from its warm-up to its first
-    # finished row: 16 steps of 4 tokens.
-    assert vanilla.steady_iterations == 2 * 16 and vanilla.steady_tokens == 2 * 16 * 4
+    # Two batches of four rows; each decodes 15 steps after the prefill's token and
+    # times those after the warm-up's 2.
+    assert vanilla.steady_iterations == 2 * 13 and vanilla.steady_tokens == 2 * 13 * 4
     spec = SpecConfig(drafter="streaming", gamma=3, sparsity=0.1, min_tokens=16)
     measured = Measurer(model, workload).measure(spec)
     assert measured.tokens_per_second > 0 and 1.0 <= measured.mean_accepted_length <= 4.0
-    assert measured.steady_tokens >= 2 * 4 * 16 - 2 * 4 * 4  # at most an iteration short
+    assert measured.steady_iterations >= 2
 
 
 # A long-generation tune small enough for seconds per trial on the CPU.
 SPAN_TUNE = ["--model", "dummy:tiny", "--ctx", "64", "--dataset", "code", "--num-prompts",
-             "2", "--max-new-tokens", "400", "--spans", "4", "--span-tokens", "12",
+             "2", "--max-new-tokens", "400", "--spans", "4", "--span-tokens", "20",
              "--probe-gamma", "4", "--budgets", "32,128", "--candidates", "1",
              "--max-rounds", "3", "--device", "cpu"]
 
@@ -156,11 +152,11 @@ def test_a_span_tune_records_its_spans_and_searches_budgets_above_the_prompt(tmp
     out = tmp_path / "long.yaml"
     code, _, err = run_cli([*SPAN_TUNE, "--out", str(out)], capsys)
     assert code in (0, 3), err
-    assert "4 spans of 12 timed tokens (after 64 warm-up) at depths 0, 80, 180, 280" in err
+    assert "4 spans of 20 tokens (timed after 2 iterations) at depths 40, 140, 240, 340" in err
     profile = yaml.safe_load(out.read_text())
     workload = profile["workload"]
-    assert (workload["spans"], workload["span_tokens"], workload["span_warmup_tokens"]) == (
-        4, 12, 64)
+    assert (workload["spans"], workload["span_tokens"],
+            workload["span_warmup_iterations"]) == (4, 20, 2)
     assert workload["num_prompts"] == 1  # 2 rows: one prompt at four spans
     trials = out.with_suffix(".trials.csv").read_text().splitlines()
     column = trials[0].split(",").index("budget")
@@ -171,8 +167,8 @@ def test_a_span_tune_records_its_spans_and_searches_budgets_above_the_prompt(tmp
 
 @pytest.mark.parametrize("argv, fragment", [
     (["--spans", "8", "--span-tokens", "64"], "do not fit apart in --max-new-tokens 400"),
+    (["--span-tokens", "19"], "--span-tokens 19 is too few to time a speculative iteration"),
     (["--spans", "-1"], "--spans must be >= 0"),
-    (["--span-tokens", "6"], "--span-tokens 6 is too few to time a speculative iteration"),
     (["--max-new-tokens", "16400"], "exceeds dummy:tiny's maximum of 16384 positions"),
     (["--budgets", "512"], "every budget covers the whole generation of --ctx + --max-new-tokens"),
 ])

@@ -14,10 +14,10 @@ the batch still decoding and capture no graph; tokens are counted as produced, b
 token limit cuts them. ``tokens_per_second`` keeps the batch-to-completion rate.
 ``stop_after_steady`` ends the decode with the steady window: what a steady-state
 measurement needs, without the tail (most of the iterations of a large speculative batch).
-``warmup_tokens`` starts the window late: iterations count (for throughput and for
-acceptance) only once every sequence holds that many new tokens, so that a span decoded
-from a context deep into a long generation (``vegas_tune.spans``) is measured after its
-first selections, which come from the prefill rather than from verify passes.
+``warmup_iterations`` starts the window late: the first iterations count neither for
+throughput nor for acceptance, so that a span decoded from a context deep into a long
+generation (``vegas_tune.spans``) is measured once its selections come from verify passes
+at that depth (the first comes from the prefill).
 """
 
 from __future__ import annotations
@@ -199,11 +199,11 @@ def _gc_paused() -> Iterator[None]:
 
 def _decode_loop(decoder: Decoder, batch: int, max_new_tokens: int, eos: set[int],
                  progress: ProgressFn | None, stop_after_steady: bool = False,
-                 warmup_tokens: int = 0) -> _LoopRecord:
+                 warmup_iterations: int = 0) -> _LoopRecord:
     """Run ``decoder`` until every sequence has hit EOS or ``max_new_tokens``; with
     ``stop_after_steady``, as soon as one has after at least one steady iteration.
-    Iterations that start while a sequence holds fewer than ``warmup_tokens`` new tokens
-    are decoded but neither timed as steady nor counted for acceptance."""
+    The first ``warmup_iterations`` iterations are decoded but neither timed as steady
+    nor counted for acceptance."""
     rec = _LoopRecord(out=[[] for _ in range(batch)])
     done = [False] * batch
 
@@ -218,7 +218,7 @@ def _decode_loop(decoder: Decoder, batch: int, max_new_tokens: int, eos: set[int
         for i, tok in enumerate(decoder.first_tokens()):
             take(i, [tok])
         while not all(done):
-            warm = min(len(o) for o in rec.out) >= warmup_tokens
+            warm = rec.iterations >= warmup_iterations
             full = not any(done)
             captures = graphs.capture_count()
             phases = dict(decoder.timers)
@@ -267,7 +267,7 @@ def generate(
     progress: ProgressFn | None = None,
     prefix_cache: PrefixCache | None = None,
     stop_after_steady: bool = False,
-    warmup_tokens: int = 0,
+    warmup_iterations: int = 0,
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` per prompt.
 
@@ -283,15 +283,14 @@ def generate(
     ``stop_after_steady``: end the decode when the steady window does (the first
     sequence finishes), once it has at least one steady iteration; sequences then hold
     fewer tokens than they would have, and the statistics cover what was decoded.
-    ``warmup_tokens``: the steady window and the acceptance statistics begin once every
-    sequence holds this many new tokens (the output is the same).
+    ``warmup_iterations``: the steady window and the acceptance statistics begin after
+    this many iterations (the output is the same).
     """
     params = SamplingParams(temperature, top_p, top_k, seed)
     if prefill_chunk is not None and prefill_chunk < 1:
         raise VegasError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
-    if not 0 <= warmup_tokens < max_new_tokens:
-        raise VegasError(f"warmup_tokens must be in [0, max_new_tokens {max_new_tokens}), "
-                         f"got {warmup_tokens}")
+    if warmup_iterations < 0:
+        raise VegasError(f"warmup_iterations must be >= 0, got {warmup_iterations}")
     prompt_ids = encode_prompts(model, prompts)
     check_lengths(model, prompt_ids, max_new_tokens)
     if isinstance(spec, SpecSchedule):
@@ -313,7 +312,7 @@ def generate(
     sync(dev)
     t1 = time.perf_counter()
     rec = _decode_loop(decoder, len(prompt_ids), max_new_tokens, eos, progress,
-                       stop_after_steady, warmup_tokens)
+                       stop_after_steady, warmup_iterations)
     sync(dev)
     t2 = time.perf_counter()
 

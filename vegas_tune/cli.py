@@ -50,7 +50,7 @@ from vegas_tune.preflight import (check_device, check_model_size, check_tune, ch
 from vegas_tune.profile import diff_profiles, load_profile, profile_to_dict
 from vegas_tune.progress import ProgressReporter
 from vegas_tune.settings import TuneSettings, study_location
-from vegas_tune.spans import DEFAULT_SPAN_TOKENS, SPAN_WARMUP_TOKENS
+from vegas_tune.spans import DEFAULT_SPAN_TOKENS, SPAN_WARMUP_ITERATIONS
 from vegas_tune.space import longest_prefix, tuned_words
 from vegas_tune.stats import Estimate
 from vegas_tune.steps import min_new_tokens
@@ -272,7 +272,7 @@ def tune(
     temperature: Optional[float] = typer.Option(None, help="0 = greedy."),
     num_prompts: Optional[int] = typer.Option(None, help="Distinct prompts per trial at batch sizes below it, decoded in batches (a last batch they do not fill wraps around); a larger batch size decodes one distinct prompt per sequence. With --spans: distinct (prompt, span) sequences."),
     spans: Optional[int] = typer.Option(None, help="Long generations: time this many spans spread over --max-new-tokens, from contexts holding the prompt and the start of its own output, instead of decoding every token (0: every token from the prompt)."),
-    span_tokens: Optional[int] = typer.Option(None, help=f"Timed tokens per span (--spans), after {SPAN_WARMUP_TOKENS} untimed warm-up tokens."),
+    span_tokens: Optional[int] = typer.Option(None, help=f"Tokens each span decodes (--spans), timed after its first {SPAN_WARMUP_ITERATIONS} iterations."),
     target: Optional[str] = typer.Option(None, help=option_help("target")),
     budgets: Optional[str] = typer.Option(None, help=option_help("budgets")),
     probe_gamma: Optional[int] = typer.Option(None, help=option_help("probe_gamma")),

@@ -11,8 +11,8 @@ which prompt each row holds, and a ``PrefixCache`` keeps copies when the workloa
 more batches than one.
 
 A long-generation workload (``vegas_tune.spans``) is the same loop over span contexts
-(each a prompt and the start of its reference output) with ``warmup_tokens``: what is
-timed and counted begins once every row has decoded its warm-up.
+(each a prompt and the start of its reference output) with ``warmup_iterations``: what
+is timed and counted begins after them.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ class Workload:
     max_new_tokens: int
     temperature: float = 0.0
     seed: int = 0
-    # New tokens each row decodes before iterations are timed and counted (spans).
-    warmup_tokens: int = 0
+    # Iterations decoded before iterations are timed and counted (spans).
+    warmup_iterations: int = 0
     # The most positions a sequence of the workload reaches; None: the longest prompt
     # and max_new_tokens. A span workload stands for whole generations: prompt + all
     # their new tokens.
@@ -52,11 +52,6 @@ class Workload:
         if self.positions is not None:
             return self.positions
         return max(len(p.ids) for p in self.prompts) + self.max_new_tokens
-
-    @property
-    def timed_new_tokens(self) -> int:
-        """New tokens per row after the warm-up: what bounds the gammas a trial can time."""
-        return self.max_new_tokens - self.warmup_tokens
 
     def batches(self) -> list[list[list[int]]]:
         """Full batches only: the prompts in order, wrapped around to fill the last
@@ -148,7 +143,7 @@ class Measurer:
             s = generate(self.model, batch, w.max_new_tokens, spec=spec,
                          temperature=w.temperature, seed=w.seed + i, ignore_eos=True,
                          prefix_cache=self.prefix_cache, stop_after_steady=True,
-                         warmup_tokens=w.warmup_tokens).stats
+                         warmup_iterations=w.warmup_iterations).stats
             tokens += s.decode_tokens
             seconds += s.decode_seconds
             prefill_seconds += s.prefill_seconds

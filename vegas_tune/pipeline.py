@@ -171,7 +171,8 @@ def run_tune(settings: TuneSettings,
                      "dataset_sha256": dataset_fingerprint(prompts),
                      "num_prompts": len(prompts),
                      **({"spans": layout.spans, "span_tokens": layout.span_tokens,
-                         "span_warmup_tokens": layout.warmup_tokens} if layout else {})},
+                         "span_warmup_iterations": layout.warmup_iterations} if layout
+                       else {})},
         "hardware": hardware,
         "results": head["results"],
         "schedule": schedule,
@@ -233,7 +234,7 @@ def span_measurers(model, settings: TuneSettings, layout: SpanLayout
                                          layout) * layout.spans]
         measurers[size] = Measurer(model, Workload(
             own, size, layout.max_new_tokens, settings.temperature, settings.seed,
-            warmup_tokens=layout.warmup_tokens,
+            warmup_iterations=layout.warmup_iterations,
             positions=settings.ctx + settings.max_new_tokens))
     return prompts, measurers
 

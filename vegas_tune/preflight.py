@@ -23,7 +23,7 @@ from vegas_core.loading.memory import check_model_fits, kv_cache_bytes, peek_con
 from vegas_core.spec_config import MAX_GAMMA
 from vegas_tune.datasets import check_dataset
 from vegas_tune.settings import default_out
-from vegas_tune.spans import DEFAULT_SPAN_TOKENS, SpanLayout
+from vegas_tune.spans import DEFAULT_SPAN_TOKENS, SPAN_WARMUP_ITERATIONS, SpanLayout
 from vegas_tune.steps import MIN_ROUNDS, min_new_tokens
 
 # Settings that count something, so must be whole numbers >= 1.
@@ -97,7 +97,7 @@ def check_values(values: Mapping[str, Any], labels: Mapping[str, str] | None = N
     if value("precision") is not None and not 0 < value("precision") < 1:
         fail("precision", "in (0, 1) (a share of the mean, e.g. 0.02)")
     if spans and value("probe_gamma") is not None:
-        needed = min_new_tokens(value("probe_gamma"))
+        needed = min_new_tokens(value("probe_gamma"), SPAN_WARMUP_ITERATIONS)
         given = value("span_tokens") or DEFAULT_SPAN_TOKENS
         if given < needed:
             raise VegasError(

@@ -193,10 +193,10 @@ class Workload(_Strict):
     dataset_sha256: str
     num_prompts: int = Field(ge=1)
     # Long generations (vegas_tune.spans): trials timed spans of span_tokens at this many
-    # depths of max_new_tokens, each after span_warmup_tokens; absent: every token.
+    # depths of max_new_tokens, each after span_warmup_iterations; absent: every token.
     spans: int | None = Field(default=None, ge=1)
     span_tokens: int | None = Field(default=None, ge=1)
-    span_warmup_tokens: int | None = Field(default=None, ge=0)
+    span_warmup_iterations: int | None = Field(default=None, ge=0)
 
 
 class Hardware(_Strict):

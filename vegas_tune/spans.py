@@ -12,17 +12,19 @@ decoding all of it in every trial costs more than a tuner can pay. So a trial de
    decoding the whole generation puts in the cache before that point (greedy: exactly
    what speculative decoding puts there too, since it is lossless).
 2. **Layout** (``SpanLayout``): the ``G`` new tokens are cut into ``K`` equal strata;
-   span ``j`` times the ``N`` tokens centred on stratum ``j``'s midpoint, after ``W``
-   warm-up tokens that are decoded but neither timed nor counted for acceptance (the
-   first selections of a decode come from the prefill, not from verify passes).
+   span ``j`` decodes the ``N`` tokens centred on stratum ``j``'s midpoint. Its first
+   ``SPAN_WARMUP_ITERATIONS`` iterations are decoded but neither timed nor counted for
+   acceptance: the first selection of a decode comes from the prefill, not from a verify
+   pass at that depth.
 3. **Rows** (``span_rows``): each sequence of a batch is one (prompt, span) pair, and a
    batch of ``K`` rows or more holds every depth equally, as a serving batch of long
    generations holds them at every stage (continuous batching refills a finished slot
    with a new request). The deepest rows come first, so the first batch sizes the cache
    for the rest.
-4. **Trial**: ``generate`` on the rows with ``max_new_tokens = W + N``,
-   ``warmup_tokens = W`` and ``stop_after_steady``. Its steady tokens/s is the rate of a
-   batch whose sequences sit at the K depths; acceptance is over the same iterations.
+4. **Trial**: ``generate`` on the rows with ``max_new_tokens = N``,
+   ``warmup_iterations`` and ``stop_after_steady``: timed from the end of the warm-up
+   until the first row has its N tokens. Its steady tokens/s is the rate of a batch
+   whose sequences sit at the K depths; acceptance is over the same iterations.
 
 Why the figure is what the whole generation costs: a span's cache holds the prompt, the
 ``d`` reference tokens and its own output, all real tokens, so every forward reads as
@@ -47,10 +49,12 @@ from vegas_core import generate
 from vegas_core.errors import VegasError
 from vegas_tune.datasets import Prompt
 
-# Tokens each span decodes before it is timed: the first iterations select from the
-# prefill's scores, not from a verify pass at that depth. 64 covers four iterations at
-# gamma 15 with every draft accepted, and more at lower acceptance.
-SPAN_WARMUP_TOKENS = 64
+# Iterations each span decodes before it is timed and counted: the first drafts with a
+# selection made from the prefill, the second with one from a verify pass at that depth.
+# Counted in iterations, not tokens: rows that accept at different rates would otherwise
+# finish their warm-ups so far apart that the fastest ends its span before the slowest
+# begins (no steady iteration left).
+SPAN_WARMUP_ITERATIONS = 2
 # Defaults of the span options: four depths of 256 timed tokens each.
 DEFAULT_SPANS = 4
 DEFAULT_SPAN_TOKENS = 256
@@ -58,42 +62,39 @@ DEFAULT_SPAN_TOKENS = 256
 
 @dataclass(frozen=True)
 class SpanLayout:
-    """Where the ``spans`` timed spans of ``span_tokens`` lie in a generation of
-    ``generation_tokens`` new tokens, each after ``warmup_tokens`` untimed ones."""
+    """Where ``spans`` spans of ``span_tokens`` lie in a generation of
+    ``generation_tokens`` new tokens; each is timed after ``warmup_iterations``."""
 
     generation_tokens: int
     spans: int
     span_tokens: int
-    warmup_tokens: int = SPAN_WARMUP_TOKENS
+    warmup_iterations: int = SPAN_WARMUP_ITERATIONS
 
     def __post_init__(self) -> None:
         if self.spans < 1:
             raise VegasError(f"--spans must be >= 1, got {self.spans}")
         if self.span_tokens < 1:
             raise VegasError(f"--span-tokens must be >= 1, got {self.span_tokens}")
-        if self.warmup_tokens < 0:
-            raise VegasError(f"span warm-up tokens must be >= 0, got {self.warmup_tokens}")
+        if self.warmup_iterations < 0:
+            raise VegasError(f"span warm-up iterations must be >= 0, got "
+                             f"{self.warmup_iterations}")
         stratum = self.generation_tokens // self.spans
-        if self.warmup_tokens + self.span_tokens > stratum:
+        if self.span_tokens > stratum:
             raise VegasError(
-                f"--spans {self.spans} of {self.span_tokens} tokens (after "
-                f"{self.warmup_tokens} warm-up tokens each) do not fit apart in "
+                f"--spans {self.spans} of {self.span_tokens} tokens do not fit apart in "
                 f"--max-new-tokens {self.generation_tokens} ({stratum} tokens per span); "
                 f"use fewer spans, shorter spans or more new tokens")
 
     @property
     def max_new_tokens(self) -> int:
-        """New tokens a span decodes: its warm-up, then the timed tokens."""
-        return self.warmup_tokens + self.span_tokens
+        """New tokens a span decodes."""
+        return self.span_tokens
 
     def starts(self) -> list[int]:
         """Each span's depth, ascending: the generated tokens already in its context.
-        The timed tokens ``[start + W, start + W + N)`` are centred on the stratum's
-        midpoint, except where that would start before the generation (the first span
-        with a warm-up longer than half the space around its timed tokens)."""
+        A span's tokens ``[start, start + N)`` are centred on its stratum's midpoint."""
         stratum = self.generation_tokens / self.spans
-        return [max(0, round((j + 0.5) * stratum - self.span_tokens / 2) - self.warmup_tokens)
-                for j in range(self.spans)]
+        return [round((j + 0.5) * stratum - self.span_tokens / 2) for j in range(self.spans)]
 
     @property
     def reference_tokens(self) -> int:
@@ -101,9 +102,9 @@ class SpanLayout:
         return self.starts()[-1]
 
     def words(self) -> str:
-        return (f"{self.spans} spans of {self.span_tokens} timed tokens (after "
-                f"{self.warmup_tokens} warm-up) at depths {', '.join(map(str, self.starts()))} "
-                f"of {self.generation_tokens} new tokens")
+        return (f"{self.spans} spans of {self.span_tokens} tokens (timed after "
+                f"{self.warmup_iterations} iterations) at depths "
+                f"{', '.join(map(str, self.starts()))} of {self.generation_tokens} new tokens")
 
 
 def prompts_for_rows(rows: int, layout: SpanLayout) -> int:
