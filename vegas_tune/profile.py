@@ -759,9 +759,18 @@ def _in_schema_order(data: dict) -> dict:
         order.index(k) if k in order else len(order)))}
 
 
+# Workload keys written only where a run used them (long generations over spans), so a
+# profile that decoded every token reads as it did before they existed.
+SPAN_WORKLOAD_KEYS = ("spans", "span_tokens", "span_warmup_iterations")
+
+
 def profile_to_dict(profile: Profile) -> dict[str, Any]:
     """The profile as plain Python data (dicts, lists, scalars), keys in schema order."""
-    return profile.model_dump(mode="python")
+    data = profile.model_dump(mode="python")
+    for key in SPAN_WORKLOAD_KEYS:
+        if data["workload"].get(key) is None:
+            data["workload"].pop(key, None)
+    return data
 
 
 def load_profile(path: str | os.PathLike) -> Profile:
