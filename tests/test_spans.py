@@ -177,3 +177,64 @@ def test_span_workloads_that_cannot_be_measured_are_refused_in_one_line(argv, fr
     code, _, err = run_cli([*SPAN_TUNE, "--out", str(tmp_path / "p.yaml"), *argv], capsys)
     assert code == 2 and "Traceback" not in err
     assert fragment in err and len(err.strip().splitlines()) == 1
+
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+
+
+def run_bench(script: str, *argv: str):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, str(ROOT / "bench" / script), *argv],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+
+
+def test_the_acceptance_bench_decodes_spans_and_every_token_beside_them(tmp_path):
+    import json
+
+    out = tmp_path / "acc"
+    proc = run_bench("acceptance.py", "--model", "dummy:tiny", "--device", "cpu",
+                     "--datasets", "code", "--ctx", "64", "--max-new-tokens", "120",
+                     "--spans", "2", "--span-tokens", "24", "--num-prompts", "1",
+                     "--drafters", "vegas", "streaming", "--gamma", "3",
+                     "--min-tokens", "32", "--full", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(out.with_name("acc.json").read_text())
+    assert [r["drafter"] for r in rows] == ["vegas", "streaming"]
+    assert all(r["matches_vanilla"] and r["full_mean_accepted_length"] >= 1.0 for r in rows)
+    report = out.with_name("acc.md").read_text()
+    assert "2 spans of 24 tokens (timed after 2 iterations) at depths 18, 78" in report
+    assert "| vegas | " in report.split("Spans against every token")[1]
+
+
+def test_the_end_to_end_bench_measures_rows_at_every_span_depth(tmp_path):
+    import json
+
+    out = tmp_path / "e2e"
+    proc = run_bench("end_to_end.py", "--model", "dummy:tiny", "--device", "cpu",
+                     "--dtype", "float32", "--dataset", "code", "--ctx", "64",
+                     "--max-new-tokens", "200", "--spans", "2", "--span-tokens", "32",
+                     "--batch", "2", "--gamma", "3", "--min-tokens", "32",
+                     "--margins", "none", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(out.with_name("e2e.json").read_text())
+    vanilla = next(r for r in data["runs"] if r["method"] == "vanilla")
+    # Two rows of 32 tokens; one step per token after the prefill's, 2 left out.
+    assert vanilla["steady_iterations"] == 31 - 2
+    assert all(m["identical"] for m in data["matches"])
+    assert "Long generations: every row is one of 2 spans of 32 tokens" in out.with_name(
+        "e2e.md").read_text()
+
+
+@pytest.mark.parametrize("script, argv, fragment", [
+    ("acceptance.py", ["--max-new-tokens", "20000", "--spans", "2"],
+     "exceeds dummy:tiny's 16384 positions"),
+    ("acceptance.py", ["--max-new-tokens", "100", "--spans", "2"], "do not fit apart"),
+    ("end_to_end.py", ["--max-new-tokens", "100", "--spans", "2"], "do not fit apart"),
+])
+def test_the_benches_refuse_spans_that_cannot_be_measured_in_one_line(script, argv, fragment):
+    proc = run_bench(script, "--model", "dummy:tiny", "--device", "cpu", "--ctx", "64",
+                     *argv)
+    assert proc.returncode == 2 and fragment in proc.stderr
+    assert "Traceback" not in proc.stderr
