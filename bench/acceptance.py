@@ -9,6 +9,20 @@ acceptance by draft position, and whether the output equals vanilla's token for 
 Writes a Markdown table (with the hardware and the command) and the raw rows as JSON.
 
     python bench/acceptance.py --ctx 4096 --gamma 6 --sparsity 0.05 --out runs/acceptance-cpu
+
+Long generations (``--spans K``): short prompts (``--ctx 256 --datasets writing``) and
+``--max-new-tokens`` G in the thousands. Vanilla decodes each prompt's whole generation
+(the reference); each drafter then decodes K spans from contexts that hold the prompt and
+the reference's first tokens, one row per span (``vegas_tune.spans``: ``--span-tokens``
+each, centred on K equal strata of the generation, counted after ``--span-warmup``
+iterations).
+The mean accepted length is over the spans' counted iterations, and a row matches
+vanilla when every span's output equals the reference at its positions. ``--full`` also
+decodes every token of the generation with each drafter and reports its mean accepted
+length beside the spans': the sampling error of the span estimate.
+
+    python bench/acceptance.py --datasets writing --ctx 256 --max-new-tokens 6000 \
+        --spans 4 --span-tokens 256 --out runs/acceptance-long
 """
 
 from __future__ import annotations
@@ -28,10 +42,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from vegas_core import SpecConfig, generate, load_model  # noqa: E402
+from vegas_core import SpecConfig, VegasError, generate, load_model  # noqa: E402
 from vegas_core.spec_config import (DRAFTERS, FORK_RULE_DRAFTERS, RULES, SCORES,  # noqa: E402
                                     draft_budget)
 from vegas_tune.datasets import embedded_prompts  # noqa: E402
+from vegas_tune.spans import (DEFAULT_SPAN_TOKENS, SPAN_WARMUP_ITERATIONS, SpanLayout,  # noqa: E402
+                              span_rows)
 
 
 def hardware() -> str:
@@ -76,8 +92,36 @@ def configurations(drafters: list[str], scores: list[str],
     return out
 
 
+def span_layout(args) -> SpanLayout | None:
+    """Where the spans lie in the generation (``--spans``); None decodes every token."""
+    if not args.spans:
+        return None
+    return SpanLayout(args.max_new_tokens, args.spans, args.span_tokens, args.span_warmup)
+
+
+def decode(model, prompt, vanilla: list[int], spec: SpecConfig, layout: SpanLayout | None,
+           max_new_tokens: int) -> tuple[object, bool]:
+    """(stats, output equal to vanilla's): the whole generation, or its spans (one row
+    each, from contexts of the prompt and vanilla's first tokens)."""
+    if layout is None:
+        result = generate(model, [prompt.ids], max_new_tokens, ignore_eos=True, spec=spec)
+        return result.stats, result.tokens[0] == vanilla
+    rows = span_rows([prompt], [vanilla], layout)
+    result = generate(model, [r.ids for r in rows], layout.max_new_tokens, ignore_eos=True,
+                      spec=spec, warmup_iterations=layout.warmup_iterations)
+    starts = [len(r.ids) - len(prompt.ids) for r in rows]
+    exact = all(tokens == vanilla[start:start + layout.max_new_tokens]
+                for start, tokens in zip(starts, result.tokens))
+    return result.stats, exact
+
+
 def run(args, out: Path) -> list[dict]:
+    layout = span_layout(args)
     model = load_model(args.model, device=args.device, dtype=args.dtype)
+    limit = model.config.max_position_embeddings
+    if max(args.ctx) + args.max_new_tokens > limit:
+        raise VegasError(f"--ctx {max(args.ctx)} + --max-new-tokens {args.max_new_tokens} "
+                         f"exceeds {args.model}'s {limit} positions; lower one of them")
     rows: list[dict] = []
     for dataset in args.datasets:
         for ctx in args.ctx:
@@ -92,20 +136,30 @@ def run(args, out: Path) -> list[dict]:
                                                                   args.rules):
                         spec = SpecConfig(drafter=drafter, gamma=args.gamma, sparsity=sparsity,
                                           min_tokens=args.min_tokens, **options)
-                        result = generate(model, [prompt.ids], args.max_new_tokens,
-                                          ignore_eos=True, spec=spec)
-                        s = result.stats
+                        s, exact = decode(model, prompt, vanilla.tokens[0], spec, layout,
+                                          args.max_new_tokens)
+                        full = None
+                        if layout is not None and args.full:
+                            full, full_exact = decode(model, prompt, vanilla.tokens[0], spec,
+                                                      None, args.max_new_tokens)
+                            exact = exact and full_exact
                         rows.append(dict(
                             dataset=dataset, prompt=prompt.name, ctx=ctx, drafter=label,
                             sparsity=sparsity, gamma=args.gamma,
-                            budget=draft_budget(ctx, sparsity, args.min_tokens),
+                            # The draft's prefix grows through a long generation: the
+                            # budget at its end.
+                            budget=draft_budget(ctx + (args.max_new_tokens if layout else 0),
+                                                sparsity, args.min_tokens),
                             mean_accepted_length=s.mean_accepted_length,
                             acceptance_by_position=s.acceptance_by_position,
                             iterations=s.iterations,
-                            matches_vanilla=result.tokens == vanilla.tokens,
+                            matches_vanilla=exact,
+                            full_mean_accepted_length=full and full.mean_accepted_length,
                         ))
                         print(f"  {label:12s} s={sparsity:<5} mal={s.mean_accepted_length:.2f}"
-                              f" exact={rows[-1]['matches_vanilla']}", file=sys.stderr, flush=True)
+                              + (f" full={full.mean_accepted_length:.2f}" if full else "")
+                              + f" exact={rows[-1]['matches_vanilla']}", file=sys.stderr,
+                              flush=True)
                 # Rows so far, so an interrupted run still leaves its measurements.
                 write_atomic(with_ext(out, ".json"), json.dumps(rows, indent=1))
     return rows
@@ -119,12 +173,16 @@ def summarize(rows: list[dict], args, seconds: float) -> str:
         exact[r["drafter"]].append(r["matches_vanilla"])
     drafters = [label for label, _, _ in configurations(args.drafters, args.scores, args.rules)]
     vegas = [d for d in drafters if d.startswith("vegas")]
+    layout = span_layout(args)
     lines = [
         "# Acceptance by drafter at matched budgets",
         "",
         f"- Model: {args.model} ({args.dtype}), greedy, gamma = {args.gamma}, "
         f"{args.max_new_tokens} new tokens, budget = max({args.min_tokens}, ceil(sparsity x prefix)) "
         f"per layer and sequence, the same for every drafter.",
+        *([f"- Long generations: each drafter decoded {layout.words()}, from contexts of the "
+           "prompt and vanilla's output (vegas_tune.spans); acceptance over the spans' "
+           "counted iterations."] if layout else []),
         f"- Hardware: {hardware()}; torch {torch.__version__}; {args.num_prompts} prompts per dataset.",
         f"- Date: {datetime.date.today()}; run time {seconds / 60:.1f} min.",
         f"- Command: `python {' '.join(shlex.quote(a) for a in sys.argv)}`",
@@ -150,6 +208,19 @@ def summarize(rows: list[dict], args, seconds: float) -> str:
                     closed = f"{(mean[d] - mean['streaming']) / gap:.0%}"
             cells += [delta, closed]
         lines.append(f"| {dataset} | {ctx} | {sparsity} | " + " | ".join(cells) + " |")
+    full = defaultdict(list)
+    for r in rows:
+        if r.get("full_mean_accepted_length") is not None:
+            full[r["drafter"]].append((r["mean_accepted_length"], r["full_mean_accepted_length"]))
+    if full:
+        lines += ["", "Spans against every token of the generation (mean accepted length over "
+                  "prompts and groups; the sampling error of the span estimate):", "",
+                  "| drafter | spans | every token | spans - every token |",
+                  "| --- | --- | --- | --- |"]
+        for d, pairs in full.items():
+            spans = sum(a for a, _ in pairs) / len(pairs)
+            whole = sum(b for _, b in pairs) / len(pairs)
+            lines.append(f"| {d} | {spans:.2f} | {whole:.2f} | {spans - whole:+.2f} |")
     lines += ["", "Exact match with vanilla greedy output (prompts):", ""]
     lines += [f"- {d}: {sum(v)}/{len(v)}" for d, v in exact.items()]
     if verdicts:
@@ -177,6 +248,16 @@ def main() -> None:
     p.add_argument("--min-tokens", type=int, default=64)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--num-prompts", type=int, default=2)
+    p.add_argument("--spans", type=int, default=0,
+                   help="long generations: decode this many spans spread over "
+                        "--max-new-tokens instead of every token (0: every token)")
+    p.add_argument("--span-tokens", type=int, default=DEFAULT_SPAN_TOKENS,
+                   help="tokens each span decodes")
+    p.add_argument("--span-warmup", type=int, default=SPAN_WARMUP_ITERATIONS,
+                   help="iterations each span decodes before it is timed and counted")
+    p.add_argument("--full", action="store_true",
+                   help="with --spans, also decode every token with each drafter: the "
+                        "spans' error")
     p.add_argument("--from-json", type=Path, default=None,
                    help="summarize rows measured earlier (e.g. by a run that was cut short)")
     p.add_argument("--out", default="runs/acceptance",
@@ -185,7 +266,12 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     t = time.perf_counter()
-    rows = json.loads(args.from_json.read_text()) if args.from_json else run(args, out)
+    try:
+        span_layout(args)  # checked before the model loads
+        rows = json.loads(args.from_json.read_text()) if args.from_json else run(args, out)
+    except VegasError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
     write_atomic(with_ext(out, ".md"), summarize(rows, args, time.perf_counter() - t))
     print(with_ext(out, ".md").read_text())
 

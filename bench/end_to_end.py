@@ -37,6 +37,21 @@ included); both are rewritten after every batch, so a run cut short leaves its r
 
     python bench/end_to_end.py --device cuda --dtype bfloat16 --batch 1 16 64 128 256 \
         --out runs/end-to-end-h200
+
+Long generations (``--spans K``, with short prompts: ``--dataset writing --ctx 256``):
+``--max-new-tokens`` is the generation's length G, and each row of a batch is one
+(prompt, span) pair of the tuner's span workload (``vegas_tune.spans``): a context of the
+prompt and the first tokens of its vanilla output (decoded once per batch size), from
+which every method decodes ``--span-tokens`` tokens, timed and counted after its first
+``--span-warmup`` iterations. The K spans are centred on K equal strata of the generation and a batch of K
+rows or more holds each equally, so the steady tok/s is that of a server whose batch
+holds long generations at every stage, and per-token cost, nearly linear in the
+context, averages to the whole generation's (the midpoint rule; docs/tuning.md). The
+greedy match compares each method's spans with vanilla's on the same contexts.
+
+    python bench/end_to_end.py --device cuda --dtype bfloat16 --dataset writing --ctx 256 \
+        --max-new-tokens 7680 --spans 4 --span-tokens 256 --batch 128 256 \
+        --out runs/end-to-end-long-h200
 """
 
 from __future__ import annotations
@@ -63,6 +78,8 @@ from vegas_core.prefill import prefill  # noqa: E402
 from vegas_core.spec_config import COLLECT, DRAFTERS, GRANULARITIES  # noqa: E402
 from vegas_tune.datasets import EMBEDDED_DATASETS, load_prompts  # noqa: E402
 from vegas_tune.measure import Measurer, Workload  # noqa: E402
+from vegas_tune.spans import (DEFAULT_SPAN_TOKENS, SPAN_WARMUP_ITERATIONS, SpanLayout,  # noqa: E402
+                              prompts_for_rows, reference_continuations, span_rows)
 
 T0 = time.perf_counter()
 
@@ -129,15 +146,20 @@ def run_method(model, prompts, method: str, gamma: int | None, args, batch: int
     name = run_label(method, gamma, args.gamma)
     label = f"b={batch} {name}"
     ids = [p.ids for p in prompts]
+    layout = span_layout(args)
+    # A span decodes its own tokens; the generation before it is in its context already.
+    new_tokens = layout.max_new_tokens if layout else args.max_new_tokens
+    skipped = layout.warmup_iterations if layout else 0
 
-    def gen(n: int, progress=None):
-        return generate(model, ids, n, spec=spec, ignore_eos=True, progress=progress)
+    def gen(n: int, progress=None, warmup_iterations: int = 0):
+        return generate(model, ids, n, spec=spec, ignore_eos=True, progress=progress,
+                        warmup_iterations=warmup_iterations)
 
     t = time.perf_counter()
     warm = gen(args.warmup_tokens, prefill_progress(label))
     log(f"{label}: warm-up {time.perf_counter() - t:.1f}s "
         f"(prefill {warm.stats.prefill_seconds:.2f}s, decode {warm.stats.decode_seconds:.2f}s)")
-    result = gen(args.max_new_tokens)
+    result = gen(new_tokens, warmup_iterations=skipped)
     s = result.stats
     row = dict(
         batch=batch, method=method, gamma=gamma, run=name, max_new_tokens=args.max_new_tokens,
@@ -158,7 +180,7 @@ def run_method(model, prompts, method: str, gamma: int | None, args, batch: int
         )
     if args.compare_tuner:
         # Right after the timed run, as a tuner's trials follow one another.
-        workload = Workload(prompts, batch, args.max_new_tokens)
+        workload = Workload(prompts, batch, new_tokens, warmup_iterations=skipped)
         m = Measurer(model, workload).measure(spec)
         row.update(tuner_tokens_per_second=m.tokens_per_second,
                    tuner_wall_seconds=m.wall_seconds, tuner_decode_seconds=m.decode_seconds)
@@ -330,6 +352,10 @@ def summarize(data: dict) -> str:
         f"- Model: {a['model']} ({a['dtype']}), greedy, ignore_eos; dataset {a['dataset']}, "
         f"ctx {a['ctx']} prompt tokens, {a['max_new_tokens']} new tokens, batch sizes "
         f"{', '.join(map(str, a['batch']))}.",
+        *([f"- Long generations: every row is one of {span_layout(argparse.Namespace(**a)).words()}"
+           ", decoded from a context of its prompt and the start of the prompt's vanilla "
+           "output; tok/s and acceptance count the iterations after the spans' warm-up."]
+          if a.get("spans") else []),
         f"- Speculative: gamma = {gammas_text(a['gamma'])}, sparsity {a['sparsity']}, min_tokens "
         f"{a['min_tokens']} (budget max(min_tokens, ceil(sparsity x prefix))); drafters "
         f"{', '.join(a['drafters'])}; vegas: {a.get('score', 'logit')} scores, collect "
@@ -478,6 +504,30 @@ def write_outputs(out: Path, data: dict) -> None:
     write_atomic(with_ext(out, ".md"), summarize(data))
 
 
+def span_layout(args) -> SpanLayout | None:
+    """Where the spans lie in the generation (``--spans``); None decodes every token."""
+    if not args.spans:
+        return None
+    return SpanLayout(args.max_new_tokens, args.spans, args.span_tokens, args.span_warmup)
+
+
+def batch_prompts(model, args, batch: int) -> list:
+    """The batch's rows: prompts of --ctx tokens (fewer --num-prompts wrap around), or
+    with --spans a (prompt, span) context each, from one vanilla decode of the prompts."""
+    layout = span_layout(args)
+    rows = args.num_prompts or batch
+    count = prompts_for_rows(rows, layout) if layout else rows
+    distinct = load_prompts(model.tokenizer, args.dataset, args.ctx, count)
+    if layout is not None:
+        t = time.perf_counter()
+        continuations = reference_continuations(model, [p.ids for p in distinct],
+                                                layout.reference_tokens, batch_size=batch)
+        log(f"batch {batch}: {len(distinct)} reference outputs of {layout.reference_tokens} "
+            f"tokens in {time.perf_counter() - t:.1f}s; {layout.words()}")
+        distinct = span_rows(distinct, continuations, layout)
+    return [distinct[i % len(distinct)] for i in range(batch)]
+
+
 def run(args, out: Path) -> dict:
     log(f"loading {args.model} on {args.device} ({args.dtype})")
     model = load_model(args.model, device=args.device, dtype=args.dtype)
@@ -499,10 +549,8 @@ def run(args, out: Path) -> dict:
     for batch in args.batch:
         # --num-prompts: as the tuner's Measurer does, fewer prompts than the batch fill it
         # by wrapping around.
-        distinct = load_prompts(model.tokenizer, args.dataset, args.ctx,
-                                args.num_prompts or batch)
-        prompts = [distinct[i % len(distinct)] for i in range(batch)]
-        log(f"batch {batch}: {len(prompts)} prompts of {args.ctx} tokens "
+        prompts = batch_prompts(model, args, batch)
+        log(f"batch {batch}: {len(prompts)} prompts of {len(prompts[0].ids)} tokens "
             f"({', '.join(p.name for p in prompts[:4])}{', ...' if batch > 4 else ''})")
         tokens: dict[str, list[list[int]]] = {}
         for method, gamma in runs:
@@ -543,6 +591,13 @@ def main() -> None:
                    help="vegas: one set per layer or per KV head")
     p.add_argument("--num-prompts", type=int, default=None,
                    help="distinct prompts, repeated to fill each batch (default: the batch size)")
+    p.add_argument("--spans", type=int, default=0,
+                   help="long generations: rows decode spans at this many depths of "
+                        "--max-new-tokens instead of every token (0: every token)")
+    p.add_argument("--span-tokens", type=int, default=DEFAULT_SPAN_TOKENS,
+                   help="tokens each span decodes")
+    p.add_argument("--span-warmup", type=int, default=SPAN_WARMUP_ITERATIONS,
+                   help="iterations each span decodes before it is timed and counted")
     p.add_argument("--warmup-tokens", type=int, default=8,
                    help="new tokens of the untimed warm-up generate per (batch, method)")
     p.add_argument("--compare-tuner", action="store_true",
@@ -562,6 +617,10 @@ def main() -> None:
         fail("--gamma values must be distinct and >= 1")
     if args.max_new_tokens < 2 or args.warmup_tokens < 1:
         fail("--max-new-tokens must be >= 2 and --warmup-tokens >= 1")
+    try:
+        span_layout(args)  # checked before the model loads
+    except VegasError as exc:
+        fail(str(exc))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     if args.from_json:

@@ -14,6 +14,10 @@ the batch still decoding and capture no graph; tokens are counted as produced, b
 token limit cuts them. ``tokens_per_second`` keeps the batch-to-completion rate.
 ``stop_after_steady`` ends the decode with the steady window: what a steady-state
 measurement needs, without the tail (most of the iterations of a large speculative batch).
+``warmup_iterations`` starts the window late: the first iterations count neither for
+throughput nor for acceptance, so that a span decoded from a context deep into a long
+generation (``vegas_tune.spans``) is measured once its selections come from verify passes
+at that depth (the first comes from the prefill).
 """
 
 from __future__ import annotations
@@ -194,9 +198,12 @@ def _gc_paused() -> Iterator[None]:
 
 
 def _decode_loop(decoder: Decoder, batch: int, max_new_tokens: int, eos: set[int],
-                 progress: ProgressFn | None, stop_after_steady: bool = False) -> _LoopRecord:
+                 progress: ProgressFn | None, stop_after_steady: bool = False,
+                 warmup_iterations: int = 0) -> _LoopRecord:
     """Run ``decoder`` until every sequence has hit EOS or ``max_new_tokens``; with
-    ``stop_after_steady``, as soon as one has after at least one steady iteration."""
+    ``stop_after_steady``, as soon as one has after at least one steady iteration.
+    The first ``warmup_iterations`` iterations are decoded but neither timed as steady
+    nor counted for acceptance."""
     rec = _LoopRecord(out=[[] for _ in range(batch)])
     done = [False] * batch
 
@@ -211,6 +218,7 @@ def _decode_loop(decoder: Decoder, batch: int, max_new_tokens: int, eos: set[int
         for i, tok in enumerate(decoder.first_tokens()):
             take(i, [tok])
         while not all(done):
+            warm = rec.iterations >= warmup_iterations
             full = not any(done)
             captures = graphs.capture_count()
             phases = dict(decoder.timers)
@@ -218,7 +226,7 @@ def _decode_loop(decoder: Decoder, batch: int, max_new_tokens: int, eos: set[int
             new = decoder.step([not d for d in done])
             seconds = time.perf_counter() - t0
             rec.iterations += 1
-            if full and graphs.capture_count() == captures:
+            if full and warm and graphs.capture_count() == captures:
                 rec.steady_iterations += 1
                 rec.steady_tokens += sum(len(n) for n in new)
                 rec.steady_seconds += seconds
@@ -227,6 +235,9 @@ def _decode_loop(decoder: Decoder, batch: int, max_new_tokens: int, eos: set[int
                                                 + total - phases.get(phase, 0.0))
             for i in range(batch):
                 if done[i]:
+                    continue
+                if not warm:
+                    take(i, new[i])
                     continue
                 rec.rounds += 1
                 drafted = len(new[i]) - 1  # accepted drafts; the last token is the bonus
@@ -256,6 +267,7 @@ def generate(
     progress: ProgressFn | None = None,
     prefix_cache: PrefixCache | None = None,
     stop_after_steady: bool = False,
+    warmup_iterations: int = 0,
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` per prompt.
 
@@ -271,10 +283,14 @@ def generate(
     ``stop_after_steady``: end the decode when the steady window does (the first
     sequence finishes), once it has at least one steady iteration; sequences then hold
     fewer tokens than they would have, and the statistics cover what was decoded.
+    ``warmup_iterations``: the steady window and the acceptance statistics begin after
+    this many iterations (the output is the same).
     """
     params = SamplingParams(temperature, top_p, top_k, seed)
     if prefill_chunk is not None and prefill_chunk < 1:
         raise VegasError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+    if warmup_iterations < 0:
+        raise VegasError(f"warmup_iterations must be >= 0, got {warmup_iterations}")
     prompt_ids = encode_prompts(model, prompts)
     check_lengths(model, prompt_ids, max_new_tokens)
     if isinstance(spec, SpecSchedule):
@@ -296,7 +312,7 @@ def generate(
     sync(dev)
     t1 = time.perf_counter()
     rec = _decode_loop(decoder, len(prompt_ids), max_new_tokens, eos, progress,
-                       stop_after_steady)
+                       stop_after_steady, warmup_iterations)
     sync(dev)
     t2 = time.perf_counter()
 

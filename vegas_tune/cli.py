@@ -50,6 +50,7 @@ from vegas_tune.preflight import (check_device, check_model_size, check_tune, ch
 from vegas_tune.profile import diff_profiles, load_profile, profile_to_dict
 from vegas_tune.progress import ProgressReporter
 from vegas_tune.settings import TuneSettings, study_location
+from vegas_tune.spans import DEFAULT_SPAN_TOKENS, SPAN_WARMUP_ITERATIONS
 from vegas_tune.space import longest_prefix, tuned_words
 from vegas_tune.stats import Estimate
 from vegas_tune.steps import min_new_tokens
@@ -89,6 +90,8 @@ RUN_DEFAULTS: dict[str, tuple[Any, Any]] = {
     "max_new_tokens": (64, int),
     "temperature": (0.0, float),
     "num_prompts": (None, int),  # None: the smallest batch size, at least MIN_PROMPTS
+    "spans": (0, int),
+    "span_tokens": (DEFAULT_SPAN_TOKENS, int),
     "new_study": (False, "bool"),
     "json": (False, "bool"),
     "log_level": ("INFO", str),
@@ -267,7 +270,9 @@ def tune(
     batch_size: Optional[str] = typer.Option(None, help="Sequences decoded together; a comma-separated list (1,16,64,128,256) tunes each size and writes a schedule."),
     max_new_tokens: Optional[int] = typer.Option(None, help="Tokens generated per prompt."),
     temperature: Optional[float] = typer.Option(None, help="0 = greedy."),
-    num_prompts: Optional[int] = typer.Option(None, help="Distinct prompts per trial at batch sizes below it, decoded in batches (a last batch they do not fill wraps around); a larger batch size decodes one distinct prompt per sequence."),
+    num_prompts: Optional[int] = typer.Option(None, help="Distinct prompts per trial at batch sizes below it, decoded in batches (a last batch they do not fill wraps around); a larger batch size decodes one distinct prompt per sequence. With --spans: distinct (prompt, span) sequences."),
+    spans: Optional[int] = typer.Option(None, help="Long generations: time this many spans spread over --max-new-tokens, from contexts holding the prompt and the start of its own output, instead of decoding every token (0: every token from the prompt)."),
+    span_tokens: Optional[int] = typer.Option(None, help=f"Tokens each span decodes (--spans), timed after its first {SPAN_WARMUP_ITERATIONS} iterations."),
     target: Optional[str] = typer.Option(None, help=option_help("target")),
     budgets: Optional[str] = typer.Option(None, help=option_help("budgets")),
     probe_gamma: Optional[int] = typer.Option(None, help=option_help("probe_gamma")),
@@ -304,7 +309,7 @@ def tune(
         temperature=s["temperature"], num_prompts=s["num_prompts"], options=options,
         command=os.environ.get(COMMAND_ENV) if worker else
         "vegas-tune " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
-        new_study=s["new_study"])
+        new_study=s["new_study"], spans=s["spans"], span_tokens=s["span_tokens"])
     if s["devices"]:
         return _tune_on_devices(settings, s)
     check_tune(settings, s.labels)

@@ -12,6 +12,11 @@ Embedded workloads: long prompts built from text every Python installation carri
 - ``retrieval``: synthetic long-range retrieval: a table of key/value lines at the
   start, filler prose, then the table's first lines again, so that continuing means
   copying lines from far back in the context.
+- ``writing``: short requests for long outputs, for long generations (``--ctx 256
+  --max-new-tokens 6000``): code and prose alternating, each a request to continue a
+  text to great length ("continue this module to its end", "continue this manual with
+  many more sections") followed by the text's start, in the model's chat template
+  where it has one. The text's start fills the prompt to exactly ``ctx`` tokens.
 
 Code and prose prompts come in rounds, one prompt per module (starting topic); each
 round after the first starts ``ROUND_SKIP_TOKENS`` further into its first text, so that a
@@ -41,7 +46,20 @@ CODE_MODULES = ("argparse", "typing", "http.client", "ast", "email._header_value
                 "inspect", "subprocess", "tarfile", "logging", "difflib", "pathlib",
                 "threading", "dataclasses", "collections", "json.decoder", "statistics")
 PROSE_START_TOPICS = (5, 25, 60, 15, 40, 70, 10, 50)
-EMBEDDED_DATASETS = ("mixed", "code", "prose", "retrieval")
+EMBEDDED_DATASETS = ("mixed", "code", "prose", "retrieval", "writing")
+# The writing dataset's requests, by kind of text continued; they ask for length, so that a
+# model's answer runs to thousands of tokens (as the long reasoning outputs of AIME25 and
+# CodeElo in the Vegas paper do).
+WRITING_REQUESTS = {
+    "code": "Below is the start of a Python module. Continue it to its end: write every "
+            "remaining class and function in full, with docstrings, comments and tests.\n\n",
+    "prose": "Below is the start of a long technical manual. Continue it with many more "
+             "sections, each explaining one topic in depth, with examples.\n\n",
+}
+# Where the text's start goes in the rendered chat template.
+WRITING_PLACEHOLDER = "\x00EXCERPT\x00"
+# The fewest tokens of text a writing prompt carries after its request.
+MIN_EXCERPT_TOKENS = 16
 # Share of a retrieval prompt taken by the key/value table.
 RETRIEVAL_TABLE_SHARE = 0.3
 RETRIEVAL_REPEATED_LINES = 4
@@ -123,6 +141,36 @@ def retrieval_prompt(encode, i: int, ctx: int, seed: int = 0) -> Prompt:
     return Prompt(f"retrieval:{i}", head + filler + tail)
 
 
+def _without_bos(tokenizer, ids: list[int]) -> list[int]:
+    """``ids`` less a leading BOS token: for pieces encoded apart and joined after the first."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    return ids[1:] if bos is not None and ids[:1] == [bos] else ids
+
+
+def writing_prompt(tokenizer, encode, i: int, ctx: int) -> Prompt:
+    """A request to continue a text at length (code for even ``i``, prose for odd), then
+    the text's start: exactly ``ctx`` tokens, in the chat template where there is one."""
+    kind = ("code", "prose")[i % 2]
+    source = code_prompt if kind == "code" else prose_prompt
+    message = WRITING_REQUESTS[kind] + WRITING_PLACEHOLDER
+    # A tokenizer without templates (or a model without one) gets the request as it is.
+    template = getattr(tokenizer, "apply_chat_template", None)
+    rendered = template([{"role": "user", "content": message}]) if template else message
+    head_text, tail_text = rendered.split(WRITING_PLACEHOLDER)
+    head = encode(head_text)
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is not None and head[:2] == [bos, bos]:  # a template that writes BOS itself
+        head = head[1:]
+    tail = _without_bos(tokenizer, encode(tail_text)) if tail_text else []
+    room = ctx - len(head) - len(tail)
+    if room < MIN_EXCERPT_TOKENS:
+        need = len(head) + len(tail) + MIN_EXCERPT_TOKENS
+        raise VegasError(f"ctx {ctx} is too small for a writing prompt (its request takes "
+                         f"{len(head) + len(tail)} tokens); use --ctx {need} or more")
+    text = source(lambda t: _without_bos(tokenizer, encode(t)), i // 2, room)
+    return Prompt(f"writing:{text.name}", head + text.ids + tail)
+
+
 def embedded_prompts(tokenizer, dataset: str, ctx: int, count: int, seed: int = 0) -> list[Prompt]:
     """``count`` prompts of exactly ``ctx`` tokens from an embedded dataset."""
     if dataset not in EMBEDDED_DATASETS:
@@ -137,6 +185,8 @@ def embedded_prompts(tokenizer, dataset: str, ctx: int, count: int, seed: int = 
             prompts.append(code_prompt(encode, i // (2 if dataset == "mixed" else 1), ctx))
         elif dataset == "prose" or dataset == "mixed":
             prompts.append(prose_prompt(encode, i // (2 if dataset == "mixed" else 1), ctx))
+        elif dataset == "writing":
+            prompts.append(writing_prompt(tokenizer, encode, i, ctx))
         else:
             prompts.append(retrieval_prompt(encode, i, ctx, seed))
     return prompts

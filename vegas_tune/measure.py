@@ -9,6 +9,10 @@ speculative batch's iterations and is not part of the figure (SmolLM2 8k at batc
 gamma 12, on an H100: 9 steady iterations of 40). The prompts' K/V are computed once per tune: the model's kept cache remembers
 which prompt each row holds, and a ``PrefixCache`` keeps copies when the workload has
 more batches than one.
+
+A long-generation workload (``vegas_tune.spans``) is the same loop over span contexts
+(each a prompt and the start of its reference output) with ``warmup_iterations``: what
+is timed and counted begins after them.
 """
 
 from __future__ import annotations
@@ -36,6 +40,18 @@ class Workload:
     max_new_tokens: int
     temperature: float = 0.0
     seed: int = 0
+    # Iterations decoded before iterations are timed and counted (spans).
+    warmup_iterations: int = 0
+    # The most positions a sequence of the workload reaches; None: the longest prompt
+    # and max_new_tokens. A span workload stands for whole generations: prompt + all
+    # their new tokens.
+    positions: int | None = None
+
+    @property
+    def longest_sequence(self) -> int:
+        if self.positions is not None:
+            return self.positions
+        return max(len(p.ids) for p in self.prompts) + self.max_new_tokens
 
     def batches(self) -> list[list[list[int]]]:
         """Full batches only: the prompts in order, wrapped around to fill the last
@@ -132,7 +148,8 @@ class Measurer:
         for i, batch in enumerate(w.batches()):
             s = generate(self.model, batch, w.max_new_tokens, spec=spec,
                          temperature=w.temperature, seed=w.seed + i, ignore_eos=True,
-                         prefix_cache=self.prefix_cache, stop_after_steady=True).stats
+                         prefix_cache=self.prefix_cache, stop_after_steady=True,
+                         warmup_iterations=w.warmup_iterations).stats
             tokens += s.decode_tokens
             seconds += s.decode_seconds
             prefill_seconds += s.prefill_seconds

@@ -29,6 +29,7 @@ from vegas_tune.space import Point, selections
 from vegas_tune.steps import RACE
 from vegas_tune.studies import check_study
 from vegas_tune.settings import TuneSettings, study_location
+from vegas_tune.spans import SpanLayout, prompts_for_rows, reference_continuations, span_rows
 from vegas_tune.tuner import Tuner, warn_if_hard_to_time
 
 log = logging.getLogger("vegas_tune")
@@ -112,10 +113,15 @@ def run_tune(settings: TuneSettings,
     check_values({**vars(settings.options), "ctx": settings.ctx,
                   "batch_size": settings.batch_sizes,
                   "max_new_tokens": settings.max_new_tokens,
-                  "num_prompts": settings.num_prompts, "temperature": settings.temperature})
+                  "num_prompts": settings.num_prompts, "temperature": settings.temperature,
+                  "spans": settings.spans, "span_tokens": settings.span_tokens})
+    layout = settings.span_layout()
     smallest = settings.batch_sizes[0]
-    batches = -(-settings.num_prompts // smallest)
-    warn_if_hard_to_time(batches * smallest * settings.max_new_tokens)
+    rows = (prompts_for_rows(settings.num_prompts, layout) * layout.spans if layout
+            else settings.num_prompts)
+    batches = -(-rows // smallest)
+    warn_if_hard_to_time(batches * smallest * (layout.span_tokens if layout else
+                                               settings.max_new_tokens))
     log.info("loading %s", settings.model)
     model = load_model(settings.model, device=settings.device, dtype=settings.dtype)
     if model.tokenizer is None:
@@ -124,14 +130,17 @@ def run_tune(settings: TuneSettings,
     if settings.ctx + settings.max_new_tokens > limit:
         raise VegasError(f"--ctx {settings.ctx} + --max-new-tokens {settings.max_new_tokens} "
                          f"exceeds {model.spec}'s maximum of {limit} positions; lower --ctx")
-    prompts = load_prompts(model.tokenizer, settings.dataset, settings.ctx,
-                           distinct_prompts(settings.num_prompts, settings.batch_sizes),
-                           settings.seed)
-    measurers = {}
-    for size in settings.batch_sizes:
-        own = prompts[:distinct_prompts(settings.num_prompts, (size,))]
-        measurers[size] = Measurer(model, Workload(own, size, settings.max_new_tokens,
-                                                   settings.temperature, settings.seed))
+    if layout is None:
+        prompts = load_prompts(model.tokenizer, settings.dataset, settings.ctx,
+                               distinct_prompts(settings.num_prompts, settings.batch_sizes),
+                               settings.seed)
+        measurers = {}
+        for size in settings.batch_sizes:
+            own = prompts[:distinct_prompts(settings.num_prompts, (size,))]
+            measurers[size] = Measurer(model, Workload(own, size, settings.max_new_tokens,
+                                                       settings.temperature, settings.seed))
+    else:
+        prompts, measurers = span_measurers(model, settings, layout)
     log.info("model %s on %s; %d prompts of %d tokens from %s; batch sizes %s; study %s in %s",
              model.label, hardware.get("gpu_name") or "CPU", len(prompts), settings.ctx,
              settings.dataset, ", ".join(map(str, settings.batch_sizes)), study_name, storage)
@@ -160,7 +169,10 @@ def run_tune(settings: TuneSettings,
                      "max_new_tokens": settings.max_new_tokens,
                      "temperature": settings.temperature, "dataset": settings.dataset,
                      "dataset_sha256": dataset_fingerprint(prompts),
-                     "num_prompts": len(prompts)},
+                     "num_prompts": len(prompts),
+                     **({"spans": layout.spans, "span_tokens": layout.span_tokens,
+                         "span_warmup_iterations": layout.warmup_iterations} if layout
+                       else {})},
         "hardware": hardware,
         "results": head["results"],
         "schedule": schedule,
@@ -197,6 +209,34 @@ def run_tune(settings: TuneSettings,
     if result.interrupted:
         return summary, EXIT_INTERRUPTED
     return summary, 0 if recommended else EXIT_NOT_RECOMMENDED
+
+
+def span_measurers(model, settings: TuneSettings, layout: SpanLayout
+                   ) -> tuple[list, dict[int, Measurer]]:
+    """(prompts, a measurer per batch size) for a long-generation workload: every prompt
+    decoded once to the deepest span (vegas_tune.spans), then each batch size's rows, a
+    (prompt, span) pair each, as many as a trial decodes (``distinct_prompts`` rows)."""
+    rows = distinct_prompts(settings.num_prompts, settings.batch_sizes)
+    prompts = load_prompts(model.tokenizer, settings.dataset, settings.ctx,
+                           prompts_for_rows(rows, layout), settings.seed)
+    log.info("long generations: %s; decoding %d prompts %d tokens deep once for their "
+             "contexts", layout.words(), len(prompts), layout.reference_tokens)
+    started = time.monotonic()
+    continuations = reference_continuations(
+        model, [p.ids for p in prompts], layout.reference_tokens,
+        batch_size=max(settings.batch_sizes), temperature=settings.temperature,
+        seed=settings.seed)
+    log.info("reference outputs decoded in %.1f s", time.monotonic() - started)
+    contexts = span_rows(prompts, continuations, layout)
+    measurers = {}
+    for size in settings.batch_sizes:
+        own = contexts[:prompts_for_rows(distinct_prompts(settings.num_prompts, (size,)),
+                                         layout) * layout.spans]
+        measurers[size] = Measurer(model, Workload(
+            own, size, layout.max_new_tokens, settings.temperature, settings.seed,
+            warmup_iterations=layout.warmup_iterations,
+            positions=settings.ctx + settings.max_new_tokens))
+    return prompts, measurers
 
 
 def build_schedule(sizes: list, confidence: float) -> list[dict]:
@@ -265,6 +305,8 @@ def settings_fingerprint(settings: TuneSettings, hardware: dict) -> dict:
     return {"model": settings.model, "device": hardware.get("gpu_name") or "cpu",
             "hardware": {k: hardware.get(k) for k in STUDY_HARDWARE_KEYS},
             "ctx": settings.ctx, "dataset": settings.dataset, "num_prompts": settings.num_prompts,
+            **({"spans": settings.spans, "span_tokens": settings.span_tokens}
+               if settings.spans else {}),
             "batch_sizes": list(settings.batch_sizes), "max_new_tokens": settings.max_new_tokens,
             "temperature": settings.temperature, "seed": settings.seed,
             "target": o.target, "selection_rule": selections(o.target)[0].rule,

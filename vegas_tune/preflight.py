@@ -23,10 +23,12 @@ from vegas_core.loading.memory import check_model_fits, kv_cache_bytes, peek_con
 from vegas_core.spec_config import MAX_GAMMA
 from vegas_tune.datasets import check_dataset
 from vegas_tune.settings import default_out
+from vegas_tune.spans import DEFAULT_SPAN_TOKENS, SPAN_WARMUP_ITERATIONS, SpanLayout
 from vegas_tune.steps import MIN_ROUNDS, min_new_tokens
 
 # Settings that count something, so must be whole numbers >= 1.
-POSITIVE_INTS = ("batch_size", "max_new_tokens", "num_prompts", "probe_gamma", "candidates")
+POSITIVE_INTS = ("batch_size", "max_new_tokens", "num_prompts", "probe_gamma", "candidates",
+                 "span_tokens")
 # Settings that are draft lengths, bounded by what the engine accepts.
 GAMMA_SETTINGS = ("probe_gamma",)
 # numpy's seed range, which optuna's samplers pass the seed to.
@@ -73,8 +75,18 @@ def check_values(values: Mapping[str, Any], labels: Mapping[str, str] | None = N
     for name in ("temperature", "time_budget", "precision"):
         if value(name) is not None and not math.isfinite(value(name)):
             fail(name, "a finite number")
+    if value("spans") is not None and value("spans") < 0:
+        fail("spans", ">= 0 (0: decode every new token from the prompt)")
+    spans = value("spans") and value("max_new_tokens") is not None
+    if spans:  # raises naming the options when the spans do not fit the generation
+        SpanLayout(value("max_new_tokens"), value("spans"),
+                   value("span_tokens") or DEFAULT_SPAN_TOKENS)
     budgets, ctx = value("budgets"), value("ctx")
-    if budgets and ctx and min(budgets) >= ctx:
+    if budgets and ctx and spans and min(budgets) >= ctx + value("max_new_tokens"):
+        raise VegasError(f"{_label(labels, 'budgets')} {','.join(map(str, budgets))}: every "
+                         f"budget covers the whole generation of {_label(labels, 'ctx')} + "
+                         f"{_label(labels, 'max_new_tokens')}; give budgets below it")
+    if budgets and ctx and not spans and min(budgets) >= ctx:
         raise VegasError(f"{_label(labels, 'budgets')} {','.join(map(str, budgets))}: every "
                          f"budget covers the whole {ctx}-token prompt of {_label(labels, 'ctx')}; "
                          "give budgets below it")
@@ -84,7 +96,15 @@ def check_values(values: Mapping[str, Any], labels: Mapping[str, str] | None = N
         fail("time_budget", "> 0 seconds (leave it unset for no limit)")
     if value("precision") is not None and not 0 < value("precision") < 1:
         fail("precision", "in (0, 1) (a share of the mean, e.g. 0.02)")
-    if value("max_new_tokens") is not None and value("probe_gamma") is not None:
+    if spans and value("probe_gamma") is not None:
+        needed = min_new_tokens(value("probe_gamma"), SPAN_WARMUP_ITERATIONS)
+        given = value("span_tokens") or DEFAULT_SPAN_TOKENS
+        if given < needed:
+            raise VegasError(
+                f"{_label(labels, 'span_tokens')} {given} is too few to time a speculative "
+                f"iteration at {_label(labels, 'probe_gamma')} {value('probe_gamma')}; use "
+                f"at least {needed}")
+    elif value("max_new_tokens") is not None and value("probe_gamma") is not None:
         needed = min_new_tokens(value("probe_gamma"))
         if value("max_new_tokens") < needed:
             raise VegasError(

@@ -192,6 +192,11 @@ class Workload(_Strict):
     dataset: str
     dataset_sha256: str
     num_prompts: int = Field(ge=1)
+    # Long generations (vegas_tune.spans): trials timed spans of span_tokens at this many
+    # depths of max_new_tokens, each after span_warmup_iterations; absent: every token.
+    spans: int | None = Field(default=None, ge=1)
+    span_tokens: int | None = Field(default=None, ge=1)
+    span_warmup_iterations: int | None = Field(default=None, ge=0)
 
 
 class Hardware(_Strict):
@@ -754,9 +759,18 @@ def _in_schema_order(data: dict) -> dict:
         order.index(k) if k in order else len(order)))}
 
 
+# Workload keys written only where a run used them (long generations over spans), so a
+# profile that decoded every token reads as it did before they existed.
+SPAN_WORKLOAD_KEYS = ("spans", "span_tokens", "span_warmup_iterations")
+
+
 def profile_to_dict(profile: Profile) -> dict[str, Any]:
     """The profile as plain Python data (dicts, lists, scalars), keys in schema order."""
-    return profile.model_dump(mode="python")
+    data = profile.model_dump(mode="python")
+    for key in SPAN_WORKLOAD_KEYS:
+        if data["workload"].get(key) is None:
+            data["workload"].pop(key, None)
+    return data
 
 
 def load_profile(path: str | os.PathLike) -> Profile:

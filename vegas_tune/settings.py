@@ -10,6 +10,7 @@ from pathlib import Path
 
 from vegas_tune.hardware import gpu_slug
 from vegas_tune.options import TuneOptions
+from vegas_tune.spans import DEFAULT_SPAN_TOKENS, SpanLayout
 
 
 @dataclass
@@ -34,6 +35,16 @@ class TuneSettings:
     options: TuneOptions
     command: str
     new_study: bool = False
+    # Long generations (vegas_tune.spans): a trial times this many spans of span_tokens
+    # spread over max_new_tokens; 0 decodes every new token from the prompt.
+    spans: int = 0
+    span_tokens: int = DEFAULT_SPAN_TOKENS
+
+    def span_layout(self) -> SpanLayout | None:
+        """Where a trial's spans lie in the generation; None without spans."""
+        if not self.spans:
+            return None
+        return SpanLayout(self.max_new_tokens, self.spans, self.span_tokens)
 
 
 def model_slug(spec: str) -> str:

@@ -95,11 +95,12 @@ def spec_of(trial) -> SpecConfig:
     return SpecConfig(**fields)
 
 
-def min_new_tokens(gamma: int) -> int:
+def min_new_tokens(gamma: int, warmup_iterations: int = 0) -> int:
     """The fewest new tokens per prompt that time a speculative iteration at ``gamma``:
     the first iteration captures graphs and is not timed, and a steady window needs a
-    second one even when every draft token is accepted."""
-    return 2 * (gamma + 1)
+    second one even when every draft token is accepted; a warm-up's iterations (spans)
+    come before both."""
+    return (2 + warmup_iterations) * (gamma + 1)
 
 
 class Measuring:

@@ -67,9 +67,10 @@ class TuneResult:
     interrupted: bool = False  # stopped by Ctrl-C (else finished or out of time)
 
 
-def gamma_limit(max_new_tokens: int) -> int:
-    """The largest gamma a workload of ``max_new_tokens`` per prompt can time."""
-    return min(MAX_GAMMA, max_new_tokens // 2 - 1)
+def gamma_limit(max_new_tokens: int, warmup_iterations: int = 0) -> int:
+    """The largest gamma a workload of ``max_new_tokens`` per prompt, timed after
+    ``warmup_iterations``, can time (see ``steps.min_new_tokens``)."""
+    return min(MAX_GAMMA, max_new_tokens // (2 + warmup_iterations) - 1)
 
 
 def usable_budgets(budgets: tuple[int, ...], ctx: int) -> tuple[int, ...]:
@@ -119,8 +120,13 @@ class Tuner:
         self.steps = Steps(self.studies, Measuring(self.studies, self.measurers, options),
                            options)
         workload = next(iter(self.measurers.values())).workload
-        self.ctx = min(len(p.ids) for p in workload.prompts)
+        # The context a budget is judged sparse against: the prompt; for spans, the
+        # deepest span's context (shallower spans draft densely where a budget covers
+        # them, as the start of a real generation does).
+        self.ctx = max(len(p.ids) for p in workload.prompts)
         self.max_new_tokens = workload.max_new_tokens
+        self.warmup_iterations = workload.warmup_iterations
+        self.longest_prefix = longest_prefix(workload.longest_sequence, 0)
         self.budgets = usable_budgets(options.budgets, self.ctx)
 
     @property
@@ -139,9 +145,9 @@ class Tuner:
         allowed = selections(self.options.target)
         chosen = allowed if raced is None else [s for s in allowed
                                                 if s in raced or s.drafter == "streaming"]
-        limit = gamma_limit(self.max_new_tokens)
+        limit = gamma_limit(self.max_new_tokens, self.warmup_iterations)
         return Search(batch, chosen, self.budgets, min(self.options.probe_gamma, limit),
-                      longest_prefix(self.ctx, self.max_new_tokens), limit, self.ctx)
+                      self.longest_prefix, limit, self.ctx)
 
     def _tune_size(self, search: Search) -> tuple[dict, list[StepResult]]:
         landscape, sweep = self.steps.sweep(search)
