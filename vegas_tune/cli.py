@@ -45,9 +45,10 @@ from vegas_tune.measure import Measurer, Workload, interleave, series_attrs
 from vegas_tune.options import (DEFAULT_WORDS, TuneOptions, option_default, option_default_text,
                                 option_help, option_names, parse_budgets, parse_target)
 from vegas_tune.pipeline import STUDY_HARDWARE_KEYS, git_revision, settings_fingerprint
-from vegas_tune.preflight import (check_device, check_model_size, check_tune, check_values,
-                                  flag)
-from vegas_tune.profile import diff_profiles, load_profile, profile_to_dict
+from vegas_tune.preflight import (check_device, check_model_size, check_out, check_tune,
+                                  check_values, flag)
+from vegas_tune.profile import (diff_profiles, load_profile, profile_to_dict,
+                                write_text_atomically)
 from vegas_tune.progress import ProgressReporter
 from vegas_tune.settings import TuneSettings, study_location
 from vegas_tune.space import longest_prefix, tuned_words
@@ -333,6 +334,8 @@ def _tune_on_devices(settings, s: Settings) -> int:
     devices = resolve_devices(s["devices"])
     first = replace(settings, device="cuda" if devices[0].startswith("cuda") else "cpu")
     check_tune(first, s.labels)
+    # The dataset's contents too, before the study (and its journal) is made for workers.
+    pipeline.prepare_workload(first)
     # What each worker will see: one GPU (the fingerprint, the default paths).
     hardware = {**fingerprint(devices[0]), "gpu_count": 1 if devices[0] != "cpu" else 0}
     out, storage, study_name = study_location(settings, hardware)
@@ -506,6 +509,8 @@ def grid(
                          f"{gamma_list[-1]}; use at least {min_new_tokens(gamma_list[-1])}")
     if vanilla_every < 1:
         raise VegasError(f"--vanilla-every must be >= 1, got {vanilla_every}")
+    # Before minutes of measuring: the grid, its table and <out>.partial go beside --out.
+    check_out(out, "--out", "the grid's file name", "grid.json")
     picks = {}
     for path in compare or []:
         p = load_profile(path)
@@ -604,8 +609,8 @@ def grid(
     write_json(data, out)
     partial.unlink(missing_ok=True)
     md = out.with_suffix(".md")
-    md.write_text(grid_markdown(result, f"Grid: {model}, ctx {tokens}, batch {batch_size}",
-                                lines))
+    write_text_atomically(md, grid_markdown(result, f"Grid: {model}, ctx {tokens}, batch "
+                                                    f"{batch_size}", lines), "the grid table")
     for line in lines:
         typer.echo(line)
     stderr.print(f"wrote {out} and {md}")
@@ -701,6 +706,8 @@ def export(profile: Path = typer.Argument(...),
     """Print a profile's serving config: `vllm serve --config` YAML, or JSON, for one
     served concurrency. Where the schedule runs vanilla at that concurrency, vanilla
     decoding is exported (with a warning) unless --force."""
+    if out is not None:
+        check_out(out, "--out", "the export's file name", "serve.yaml")
     p = load_profile(profile)
     target = target or p.target
     warning = check_target(p, target, force, str(profile))
@@ -713,10 +720,7 @@ def export(profile: Path = typer.Argument(...),
     if out is None:
         typer.echo(text, nl=not text.endswith("\n"))
         return
-    tmp = out.with_name(out.name + ".tmp")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp.write_text(text)
-    tmp.replace(out)
+    write_text_atomically(out, text, "the export")
     stderr.print(f"wrote {out}")
 
 

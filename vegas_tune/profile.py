@@ -785,15 +785,22 @@ _ProfileDumper.add_representer(str, _represent_str)
 
 
 def write_profile(profile: Profile, path: str | os.PathLike) -> None:
-    """Write ``profile`` as YAML to ``path``, atomically.
+    """Write ``profile`` as YAML to ``path``, atomically (``write_text_atomically``).
+    Keys keep the schema's order. An ``OSError`` becomes a one-line ``VegasError``."""
+    text = yaml.dump(profile_to_dict(profile), Dumper=_ProfileDumper, sort_keys=False,
+                     default_flow_style=False, allow_unicode=True, width=_YAML_LINE_WIDTH)
+    write_text_atomically(path, text, "the profile")
 
-    The YAML goes to a temporary file in the same folder, which is flushed, fsynced and
+
+def write_text_atomically(path: str | os.PathLike, text: str, what: str) -> None:
+    """Write ``text`` (UTF-8) to ``path``, atomically.
+
+    The text goes to a temporary file in the same folder, which is flushed, fsynced and
     then renamed over ``path``: readers see the old file or the new one, never a partial
     one, and a failure part-way leaves the old file as it was. Parent folders are created.
-    Keys keep the schema's order. An ``OSError`` becomes a one-line ``VegasError``.
+    An ``OSError`` becomes a one-line ``VegasError`` naming ``what`` was written.
     """
     path = Path(path)
-    data = profile_to_dict(profile)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         # A unique hidden name beside the target: same file system, so os.replace is atomic.
@@ -801,19 +808,17 @@ def write_profile(profile: Profile, path: str | os.PathLike) -> None:
         # os.open with 0o666 lets the umask decide the final permissions, as a plain open does.
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     except OSError as error:
-        raise VegasError(f"{path}: cannot write the profile: {error.strerror or error}") from None
+        raise VegasError(f"{path}: cannot write {what}: {error.strerror or error}") from None
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as stream:
-            yaml.dump(data, stream, Dumper=_ProfileDumper, sort_keys=False,
-                      default_flow_style=False, allow_unicode=True, width=_YAML_LINE_WIDTH)
+            stream.write(text)
             stream.flush()
             os.fsync(stream.fileno())
         os.replace(temp, path)
     except BaseException as error:
         temp.unlink(missing_ok=True)
         if isinstance(error, OSError):
-            raise VegasError(
-                f"{path}: cannot write the profile: {error.strerror or error}") from None
+            raise VegasError(f"{path}: cannot write {what}: {error.strerror or error}") from None
         raise
     _fsync_folder(path.parent)
 
