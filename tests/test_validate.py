@@ -63,7 +63,9 @@ def not_recommended_dict(target: str = "vegas") -> dict:
     target ``vllm``, tuned as for the fork (``vllm_target``)."""
     data = sample_profile_dict() if target == "vegas" else vllm_target(sample_profile_dict())
     data["recommended"] = False
-    data["results"].update(speedup=0.38, speedup_interval=[0.35, 0.41])
+    # The throughput that speedup implies: 0.38 of vanilla's 28.9 tokens/s.
+    data["results"].update(speedup=0.38, speedup_interval=[0.35, 0.41],
+                           tokens_per_second=10.98, tokens_per_second_interval=[10.1, 11.8])
     return sync_headline(data)
 
 
@@ -232,7 +234,9 @@ def test_every_speculative_entry_needs_its_speedup_interval_above_1():
     assert str(error.value).startswith(
         "mem: invalid profile: schedule[0].config: speculative, but the speedup interval "
         "[0.79, 0.83] does not lie wholly above 1; the tuner runs vanilla there")
-    entry["results"].update(speedup=1.2, speedup_interval=[1.01, 1.4])
+    # 1.2 x vanilla's 31.0 tokens/s.
+    entry["results"].update(speedup=1.2, speedup_interval=[1.01, 1.4], tokens_per_second=37.2,
+                            tokens_per_second_interval=[31.4, 43.4])
     assert profile_from_dict(data).schedule[0].config.gamma == 6  # wholly above 1: valid
 
 
@@ -520,14 +524,17 @@ def test_validate_success_is_one_line_with_the_speedup_interval(tmp_path, capsys
     assert stdout.count("\n") == 1 and stdout.endswith("; recommended true)\n"), stdout
     assert stdout.startswith(f"{path}: valid (schema 5; "), stdout
     # The schedule's ranges, then the headline (batch 64) with its speedup interval.
-    assert "1-63: vanilla, 64-64: gamma 6" in stdout, stdout
+    assert "1-63: vanilla, 64 and above: gamma 6" in stdout, stdout
     assert "256 slots, gamma 6 (ratio 0.05" in stdout and "speedup 2.12x [2.05, 2.19]" in stdout, stdout
 
 
 def test_diff_compares_schema_3_profiles(tmp_path, capsys):
     old = write(tmp_path, sample_profile_dict(), "old.yaml")
     newer = sample_profile_dict()
-    newer["results"].update(speedup=1.5, speedup_interval=[1.4, 1.6])
+    # Vanilla got faster (61.4 / 1.5 = 40.93 tokens/s): the speedup fell, the throughput stayed.
+    newer["results"].update(speedup=1.5, speedup_interval=[1.4, 1.6],
+                            vanilla_tokens_per_second=40.93,
+                            vanilla_tokens_per_second_interval=[40.5, 41.4])
     new = write(tmp_path, sync_headline(newer), "new.yaml")
     code, stdout, _ = run(["diff", str(old), str(new), "--tolerance", "0.1"], capsys)
     assert code == 1

@@ -31,6 +31,8 @@ from vegas_core.cli import EXIT_INTERRUPTED, run_app, show_defaults
 from vegas_core.errors import VegasError
 from vegas_core.loading import load_model
 from vegas_core.loading.embedded import DEFAULT_MODEL, embedded_path
+from vegas_core.loading.memory import available_bytes, gib
+from vegas_core.schedule import range_words
 from vegas_core.spec_config import SpecConfig
 from vegas_core.yamlio import read_yaml
 from vegas_tune import pipeline
@@ -47,7 +49,7 @@ from vegas_tune.options import (DEFAULT_WORDS, TuneOptions, option_default, opti
 from vegas_tune.pipeline import STUDY_HARDWARE_KEYS, git_revision, settings_fingerprint
 from vegas_tune.preflight import (check_device, check_model_size, check_out, check_tune,
                                   check_values, flag)
-from vegas_tune.profile import (diff_profiles, load_profile, profile_to_dict,
+from vegas_tune.profile import (diff_profiles, incomparable, load_profile, profile_to_dict,
                                 write_text_atomically)
 from vegas_tune.progress import ProgressReporter
 from vegas_tune.settings import TuneSettings, study_location
@@ -357,10 +359,12 @@ def _print_summary(summary: dict) -> None:
     stderr.print(f"profile: {summary['profile']} ({verdict} at batch "
                  f"{summary['schedule'][-1]['batch_size']})")
     if len(summary["schedule"]) > 1:
-        for entry in summary["schedule"]:
+        for index, entry in enumerate(summary["schedule"]):
             config = entry["config"]
             what = "vanilla" if config == "vanilla" else tuned_words(config)
-            stderr.print(f"  batch {entry['batch_min']}-{entry['batch_max']}: {what} "
+            span = range_words(entry["batch_min"], entry["batch_max"],
+                               last=index == len(summary["schedule"]) - 1)
+            stderr.print(f"  batch {span}: {what} "
                          f"(measured at {entry['batch_size']}: speedup "
                          f"{_result_words(entry, 'speedup', 'x', 2)})")
     stderr.print(f"tuned for {summary['target']}: {tuned_words(t)}")
@@ -622,7 +626,7 @@ def validate(profile: Path = typer.Argument(..., help="Profile YAML."),
     """Check a profile's types and meaning: limits, intervals, the recommendation and the
     exports (exit 2 with one line naming the first problem)."""
     p = load_profile(profile)
-    sizes = ", ".join(f"{e.batch_min}-{e.batch_max}: "
+    sizes = ", ".join(f"{range_words(e.batch_min, e.batch_max, e is p.headline)}: "
                       + ("vanilla" if e.config == "vanilla" else f"gamma {e.config.gamma}")
                       for e in p.schedule)
     typer.echo(f"{profile}: valid (schema {p.schema_version}; schedule {sizes}; at batch "
@@ -666,7 +670,8 @@ def show(profile: Path = typer.Argument(..., help="Profile YAML."),
         for e in p.schedule:
             what = ("vanilla" if e.config == "vanilla" else
                     tuned_words(e.config))
-            typer.echo(f"    batch {e.batch_min}-{e.batch_max}: {what} (measured at "
+            typer.echo(f"    batch {range_words(e.batch_min, e.batch_max, e is p.headline)}: "
+                       f"{what} (measured at "
                        f"{e.batch_size}: {_result_words(e.results.model_dump(), 'speedup', 'x', 2)}"
                        " over vanilla)")
         for item in p.not_tuned:
@@ -680,11 +685,23 @@ def show(profile: Path = typer.Argument(..., help="Profile YAML."),
 @app.command()
 def diff(old: Path = typer.Argument(...), new: Path = typer.Argument(...),
          tolerance: float = typer.Option(0.05, help="Allowed relative loss before a regression."),
+         force: bool = typer.Option(False, "--force", help="Compare profiles of another "
+                                    "model, workload or target anyway (the output says so)."),
          debug: bool = typer.Option(False, help="Show tracebacks.")) -> int:
-    """Compare two profiles; exit 1 when NEW regresses beyond the tolerance (a CI gate)."""
+    """Compare two profiles; exit 1 when NEW regresses beyond the tolerance (a CI gate).
+    Profiles of another model, workload or target are refused (exit 2) unless --force;
+    another machine is named in a warning above the diff."""
     if not 0 <= tolerance < 1:
         raise VegasError(f"--tolerance must be in [0, 1), got {tolerance}")
-    d = diff_profiles(load_profile(old), load_profile(new), tolerance)
+    before, after = load_profile(old), load_profile(new)
+    workload, hardware = incomparable(before, after)
+    if workload and not force:
+        raise VegasError(f"{old} and {new} do not compare: {'; '.join(workload)}; diff "
+                         "profiles of one model and workload (--force compares anyway)")
+    for line in workload + hardware:
+        # On stdout, above the diff: whoever reads the diff reads the warning first.
+        typer.echo(f"WARNING: not like for like: {line}")
+    d = diff_profiles(before, after, tolerance)
     typer.echo(d.format())
     return 1 if d.regressed else 0
 
@@ -726,7 +743,8 @@ def export(profile: Path = typer.Argument(...),
 
 @app.command()
 def doctor(debug: bool = typer.Option(False, help="Show tracebacks.")) -> int:
-    """Check the GPU, torch, triton, kernels, memory and the embedded model."""
+    """Show torch, CUDA, the GPU, triton, the attention backend, the CPU, free memory
+    (GPU and host) and the embedded model; exit 2 when the embedded model is missing."""
     fp = fingerprint()
     ok = True
     rows = [("torch", fp["torch"]), ("CUDA", fp["cuda"] or "none (CPU build)"),
@@ -737,7 +755,11 @@ def doctor(debug: bool = typer.Option(False, help="Show tracebacks.")) -> int:
             ("CPU", f"{fp['cpu']}, {fp['cpu_count']} cores")]
     if torch.cuda.is_available():
         free, total = torch.cuda.mem_get_info()
-        rows.append(("GPU memory free", f"{free / 2**30:.1f} of {total / 2**30:.1f} GiB"))
+        rows.append(("GPU memory free", f"{gib(free)} of {gib(total)}"))
+    # What the preflight's memory estimate (weights + KV cache) is held against on the CPU.
+    host_free = available_bytes(torch.device("cpu"))
+    rows.append(("memory free", "unknown" if host_free is None else
+                 f"{gib(host_free)} (the CPU: host memory within any container limit)"))
     try:
         rows.append(("embedded model", str(embedded_path(DEFAULT_MODEL))))
     except VegasError as e:

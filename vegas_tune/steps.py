@@ -37,7 +37,8 @@ import torch
 from vegas_core import SpecConfig
 from vegas_core.spec_config import MAX_GAMMA
 from vegas_tune.costmodel import Curve, Run, expected_tokens, per_token_extra
-from vegas_tune.measure import Measurement, Measurer, race, ratio_estimate, series_attrs
+from vegas_tune.measure import (Measurement, Measurer, out_of_memory, race, ratio_estimate,
+                                series_attrs)
 from vegas_tune.options import TuneOptions
 from vegas_tune.space import MAX_WINDOW, MIN_BUDGET, Point, Selection
 from vegas_tune.stats import Estimate, estimate
@@ -110,16 +111,24 @@ class Measuring:
 
     def guarded(self, trial, claim: str, measure: Callable[[], object]):
         """Claim ``claim`` for ``trial`` (``Studies.claim``), then run ``measure``; an
-        out-of-memory trial fails with its reason recorded (not retried on resume) and
-        the tuner goes on."""
+        out-of-memory trial (on a GPU or the CPU, ``measure.out_of_memory``) fails with its
+        reason recorded (not retried on resume) and the tuner goes on."""
         self.studies.claim(trial.study, trial, claim)
         try:
             with self.studies.interrupts.interruptible():
                 return measure()
-        except torch.cuda.OutOfMemoryError as e:
-            trial.set_user_attr("failed_reason", f"out of memory: {str(e).splitlines()[0]}")
-            torch.cuda.empty_cache()
-            raise
+        except (RuntimeError, MemoryError) as e:
+            if not out_of_memory(e):
+                raise
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            trial.set_user_attr("failed_reason", f"out of memory: {reason}")
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            if isinstance(e, torch.OutOfMemoryError):
+                raise
+            # The CPU allocator's failure, as the one type the studies and the tuner
+            # record as out of memory (a failed trial, a size not tuned), not a bug.
+            raise torch.OutOfMemoryError(reason) from e
 
     @staticmethod
     def store(trial, attrs: dict, spec: SpecConfig | None) -> None:
