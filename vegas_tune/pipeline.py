@@ -120,14 +120,15 @@ def run_tune(settings: TuneSettings,
     # before the model loads: the dataset's records become prompts by the tokenizer of
     # the model's header. (A hub id has no header before it is resolved: after loading.)
     prompts = prepare_workload(settings)
-    smallest = settings.batch_sizes[0]
-    batches = -(-settings.num_prompts // smallest)
-    warn_if_hard_to_time(batches * smallest * settings.max_new_tokens)
     with removed_on_refusal(storage):
         # Refuse a --resume of another workload (or a rerun without --resume) before loading.
         check_study(None, storage, study_name, resume=settings.resume,
                     new_study=settings.new_study,
                     fingerprint=settings_fingerprint(settings, hardware))
+        # A warning only for a run that goes on: after the last refusal that needs no model.
+        smallest = settings.batch_sizes[0]
+        batches = -(-settings.num_prompts // smallest)
+        warn_if_hard_to_time(batches * smallest * settings.max_new_tokens)
         log.info("loading %s", settings.model)
         model = load_model(settings.model, device=settings.device, dtype=settings.dtype)
         if prompts is None:
