@@ -13,8 +13,7 @@ from vegas_core.errors import VegasError
 from vegas_core.loading.dummy import load_dummy
 from vegas_core.loading.embedded import DEFAULT_MODEL
 from vegas_core.loading.gguf import load_gguf
-from vegas_core.loading.header import (ModelHeader, locate_model, read_model_config,
-                                       read_model_header, single_gguf)
+from vegas_core.loading.header import locate_model, single_gguf
 from vegas_core.loading.hf import is_hf_dir, load_hf_dir
 from vegas_core.model import Transformer
 
