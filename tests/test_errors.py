@@ -8,7 +8,9 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
+from tests.test_profile import sample_profile_dict
 from vegas_core.cli import app, run_app
 
 
@@ -283,3 +285,166 @@ def test_multi_line_messages_are_printed_on_one_line(capsys):
 
     code = run_app(lib, ["fail"])
     assert_only_line(code, capsys.readouterr().err, "OperationalError (Background")
+
+
+# ---- issue 42: bad input never costs a model load, never leaves a file, never exit 1 ----
+# One test (or parametrized family) per class of defect: files left behind, errors after
+# the model loads, exit 1 for user errors, contradictions accepted.
+
+@pytest.fixture
+def no_weights(monkeypatch):
+    """Loading weights fails the test: the input must be refused before it."""
+    def load_model(*args, **kwargs):
+        raise AssertionError("the model's weights were loaded before the input was refused")
+
+    for where in ("vegas_tune.pipeline.load_model", "vegas_tune.cli.load_model",
+                  "vegas_core.cli.load_model"):
+        monkeypatch.setattr(where, load_model)
+    for name in list(os.environ):
+        if name.startswith("VEGAS_TUNE_"):
+            monkeypatch.delenv(name)
+
+
+def files_under(folder) -> set[str]:
+    return {str(path.relative_to(folder)) for path in folder.rglob("*")}
+
+
+@pytest.fixture
+def bad_datasets(tmp_path):
+    """Dataset files that exist and are not empty, but whose contents the tuner refuses."""
+    no_column = tmp_path / "no-column.jsonl"
+    no_column.write_text('{"body": "a record without a text column"}\n')
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes('{"text": "café au lait"}\n'.encode("latin-1"))
+    short = tmp_path / "short.csv"
+    short.write_text("text\ntoo short for one prompt\n")
+    corrupt = tmp_path / "corrupt.parquet"
+    corrupt.write_bytes(b"PAR1" + bytes(range(256)) * 4)
+    return dict(no_column=no_column, latin1=latin1, short=short, corrupt=corrupt)
+
+
+@pytest.mark.parametrize("case, fragment", [
+    ("no_column", "has no 'text' or 'prompt' column (columns: body)"),
+    ("latin1", "cannot read dataset file"),
+    ("short", "makes only 0 of 4 prompts of 512 tokens"),
+    ("corrupt", "cannot read dataset file"),
+])
+def test_dataset_contents_are_refused_before_loading_and_leave_no_file(
+        case, fragment, bad_datasets, no_weights, tmp_path, monkeypatch, capsys):
+    # No --out: the default profile folder (profiles/<model>/) must not appear either.
+    monkeypatch.chdir(tmp_path)
+    before = files_under(tmp_path)
+    code, err = tune(["--dataset", str(bad_datasets[case]), "--ctx", "512", "--device", "cpu"],
+                     capsys)
+    assert_only_line(code, err, fragment)
+    assert files_under(tmp_path) == before
+
+
+@pytest.mark.parametrize("argv, fragments", [
+    (["--ctx", "1000000"], ["--ctx 1000000 + --max-new-tokens 64",
+                            "maximum of 8192 positions"]),
+    # Full-width digits parse as 8192: the new tokens then lie past the limit.
+    (["--ctx", "８１９２"], ["--ctx 8192 + --max-new-tokens 64", "maximum of 8192 positions"]),
+])
+def test_context_beyond_a_gguf_models_positions_is_refused_from_its_header(
+        argv, fragments, no_weights, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    code, err = tune([*argv, "--device", "cpu"], capsys)
+    assert_only_line(code, err, *fragments)
+    assert files_under(tmp_path) == set()
+
+
+@pytest.mark.parametrize("case, fragment", [
+    ("truncated", "truncated or corrupt"),
+    ("not_gguf", "not a GGUF file"),
+    ("empty", "holds no model"),
+])
+def test_bad_model_file_is_refused_before_loading_and_leaves_no_file(
+        case, fragment, bad_models, no_weights, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    before = files_under(tmp_path)
+    code, err = tune(["--model", str(bad_models[case]), "--ctx", "512", "--device", "cpu",
+                      "--out", str(tmp_path / "out" / "p.yaml")], capsys)
+    assert_only_line(code, err, "--model", fragment)
+    assert files_under(tmp_path) == before
+
+
+def test_a_run_refused_after_making_its_journal_removes_it(monkeypatch, tmp_path, capsys):
+    # A refusal that can only come at load time (here: a model whose weights fail to
+    # load) arrives after the journal was made; the run removes it and its folder.
+    from vegas_core.errors import VegasError
+
+    def refuse(*args, **kwargs):
+        raise VegasError("model 'owner/name' could not be downloaded; check the name")
+
+    monkeypatch.setattr("vegas_tune.pipeline.load_model", refuse)
+    code, err = tune([*TUNE, "--out", str(tmp_path / "new" / "p.yaml")], capsys)
+    assert_one_line_error(code, err, "could not be downloaded")  # after "loading dummy:tiny"
+    assert files_under(tmp_path) == set()
+    # A journal that was there before (a study to resume) is kept as it was.
+    journal = tmp_path / "kept.journal"
+    journal.write_text("")
+    code, err = tune([*TUNE, "--out", str(tmp_path / "p.yaml"), "--storage", str(journal)],
+                     capsys)
+    assert code == 2 and journal.is_file()
+
+
+def test_empty_prompt_is_refused_before_loading(no_weights, tmp_path, capsys):
+    code, err = run(["generate", "--prompt", ""], capsys)
+    assert_only_line(code, err, "--prompt is empty")
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    code, err = run(["generate", "--prompt-file", str(empty)], capsys)
+    assert_only_line(code, err, f"--prompt-file {empty} is empty")
+
+
+def test_batch_too_big_for_memory_is_refused_naming_the_largest_that_fits(
+        no_tuning, monkeypatch, tmp_path, capsys):
+    # The embedded GGUF model: its config comes from the file's header.
+    monkeypatch.setattr("vegas_core.loading.memory.available_bytes", lambda device: 8 * 2**30)
+    out = ["--out", str(tmp_path / "p.yaml"), "--device", "cpu", "--dtype", "float32"]
+    code, err = tune(["--batch-size", "99999", *out], capsys)
+    assert_only_line(code, err, "--batch-size: batch 99999 does not fit",
+                     "only 8.0 GiB is free on the CPU", "the largest batch that fits is 40")
+    # Every size of a list is checked, not only the smallest.
+    code, err = tune(["--batch-size", "1,16,4096", *out], capsys)
+    assert_only_line(code, err, "batch 4096 does not fit", "the largest batch that fits is 40")
+    code, err = tune(["--batch-size", "40", *out], capsys)
+    assert code == 1 and "run_tune was reached" in err  # it fits: on to tuning
+
+
+@pytest.mark.parametrize("content", [b"schema_version: 5\nrecommended: true\n",
+                                     bytes(range(256)) * 16])
+def test_storage_that_is_not_an_optuna_journal_is_refused(content, no_tuning, tmp_path,
+                                                          capsys):
+    storage = tmp_path / "p.yaml"
+    storage.write_bytes(content)
+    code, err = tune([*TUNE, "--out", str(tmp_path / "q.yaml"), "--storage", str(storage)],
+                     capsys)
+    assert_only_line(code, err, f"--storage {storage} is not an optuna journal")
+    assert storage.read_bytes() == content  # not appended to
+
+
+def test_export_to_an_unwritable_path_is_refused(tmp_path, capsys):
+    profile = tmp_path / "p.yaml"
+    profile.write_text(yaml.safe_dump(sample_profile_dict(), sort_keys=False))
+    code, err = tune(["export", str(profile), "--out", "/sys/x/serve.yaml"], capsys)
+    assert_only_line(code, err, "--out /sys/x/serve.yaml: cannot write in /sys")
+    code, err = tune(["export", str(profile), "--out", str(tmp_path)], capsys)
+    assert_only_line(code, err, "is a folder; give the export's file name")
+    code, err = tune(["export", str(profile), "--out", str(tmp_path / "serve.yaml")], capsys)
+    assert code == 0 and (tmp_path / "serve.yaml").is_file()
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_resume_with_new_study_is_refused(no_tuning, tmp_path, capsys):
+    code, err = tune([*TUNE, "--out", str(tmp_path / "p.yaml"), "--resume", "--new-study"],
+                     capsys)
+    assert_only_line(code, err, "--resume and --new-study contradict each other")
+
+
+def test_config_file_with_a_key_given_twice_is_refused(no_tuning, tmp_path, capsys):
+    config = tmp_path / "tune.yaml"
+    config.write_text("ctx: 8k\nseed: 1\nctx: 4k\n")
+    code, err = tune(["--config", str(config), "--out", str(tmp_path / "p.yaml")], capsys)
+    assert_only_line(code, err, f"{config}: key 'ctx' is given twice (lines 1 and 3)")

@@ -13,6 +13,7 @@ import torch
 from vegas_core.config import preset_config
 from vegas_core.errors import VegasError
 from vegas_core.loading import memory
+from vegas_core.loading.header import read_model_config
 from vegas_tune import cli, preflight
 from vegas_tune.datasets import check_dataset
 
@@ -201,9 +202,16 @@ def test_config_of_a_hugging_face_folder_is_read_without_weights(tmp_path):
               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
               max_position_embeddings=1024)
     (tmp_path / "config.json").write_text(json.dumps(hf))
-    config = memory.peek_config(str(tmp_path))
+    config = read_model_config(str(tmp_path))
     assert config.num_layers == 2 and config.max_position_embeddings == 1024
-    assert memory.peek_config(str(tmp_path / "model.gguf")) is None  # left to load_model
+    assert read_model_config("owner/not-on-this-disk") is None  # may download: load_model
+
+
+def test_config_of_a_gguf_file_is_read_from_its_header(smollm_path):
+    config = read_model_config(str(smollm_path))
+    assert config.max_position_embeddings == 8192 and config.num_layers == 30
+    with pytest.raises(VegasError, match="not found"):
+        read_model_config(str(smollm_path.parent / "missing.gguf"))
 
 
 # ---- --help shows every default --------------------------------------------------------

@@ -173,12 +173,19 @@ def sample_profile(**results) -> Profile:
     """The sample profile with some results replaced; a replaced figure gets an interval
     of +-2% around it unless its interval is given too, so the profile stays valid."""
     data = sample_profile_dict()
-    for name, value in results.items():
+    given = dict(results)
+    # The speedup is the throughput over vanilla's: a test that changes the throughput or
+    # the speedup gets vanilla's throughput derived, so the profile stays consistent.
+    if given.keys() & {"tokens_per_second", "speedup"} and \
+            "vanilla_tokens_per_second" not in given:
+        figures = {**data["results"], **given}
+        given["vanilla_tokens_per_second"] = figures["tokens_per_second"] / figures["speedup"]
+    for name, value in given.items():
         interval = f"{name}_interval"
-        if interval in data["results"] and interval not in results:
+        if interval in data["results"] and interval not in given:
             data["results"][interval] = [value * (1 - SAMPLE_HALF_WIDTH),
                                          value * (1 + SAMPLE_HALF_WIDTH)]
-    data["results"].update(results)
+    data["results"].update(given)
     return profile_from_dict(sync_headline(data))
 
 
@@ -374,8 +381,12 @@ def test_diff_judges_each_batch_size_of_the_schedule():
     old = sample_profile_dict()
     new = copy.deepcopy(old)
     small = new["schedule"][0]["results"]
+    # Both throughputs halved: the speedup, their ratio, stays.
     small.update(tokens_per_second=small["tokens_per_second"] * 0.5,
-                 tokens_per_second_interval=[x * 0.5 for x in small["tokens_per_second_interval"]])
+                 tokens_per_second_interval=[x * 0.5 for x in small["tokens_per_second_interval"]],
+                 vanilla_tokens_per_second=small["vanilla_tokens_per_second"] * 0.5,
+                 vanilla_tokens_per_second_interval=[
+                     x * 0.5 for x in small["vanilla_tokens_per_second_interval"]])
     diff = diff_profiles(profile_from_dict(old), profile_from_dict(new), tolerance=0.1)
     assert diff.regressions == [
         "batch 1: results.tokens_per_second (throughput) fell 50.0%: 25.1 -> 12.55, beyond the "
@@ -408,7 +419,7 @@ def test_losing_the_recommendation_regresses():
 
 def test_improvement_is_not_a_regression():
     old = sample_profile()
-    new = sample_profile(tokens_per_second=80.0, speedup=2.8)
+    new = sample_profile(tokens_per_second=80.0, speedup=2.77)
     assert not diff_profiles(old, new, tolerance=0.0).regressed
 
 
@@ -595,7 +606,9 @@ def test_recommended_schema_2_profile_becomes_a_speculative_entry():
     assert profile.exports == build_exports(MODEL_ID, Tuned(**TUNED), 64, MAX_MODEL_LEN, "vegas")
     # Schema 2 also needed the speedup interval above 1 to recommend; that still holds.
     data = schema_2_dict()
-    data["results"].update(speedup=1.01, speedup_interval=[0.97, 1.05])
+    # 1.01 x vanilla's 28.9 tokens/s.
+    data["results"].update(speedup=1.01, speedup_interval=[0.97, 1.05], tokens_per_second=29.19,
+                           tokens_per_second_interval=[28.0, 30.3])
     with pytest.raises(VegasError) as error:
         profile_from_dict(data, source="old.yaml")
     assert_one_line(error, "old.yaml: invalid profile: schedule[0].config: speculative, but the "
@@ -939,7 +952,9 @@ def three_size_profile_dict() -> dict:
     data["schedule"][0]["batch_max"] = 1
     mid = copy.deepcopy(data["schedule"][1])
     mid.update(batch_min=2, batch_max=8, batch_size=8, config=dict(MID_TUNED), reason="fastest")
-    mid["results"].update(speedup=1.6, speedup_interval=[1.5, 1.7], mean_accepted_length=3.5,
+    # 1.6 x vanilla's 28.9 tokens/s.
+    mid["results"].update(speedup=1.6, speedup_interval=[1.5, 1.7], tokens_per_second=46.24,
+                          tokens_per_second_interval=[43.4, 49.1], mean_accepted_length=3.5,
                           acceptance_by_position=[0.9, 0.8, 0.7, 0.6])
     data["schedule"].insert(1, mid)
     return sync_headline(data)

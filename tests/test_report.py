@@ -785,12 +785,12 @@ def test_report_has_a_schedule_table_and_a_sentence_per_range(tmp_path):
     rows = table_rows(schedule)
     assert rows[0].startswith("| 1-63 | 1 | vanilla | 100.0 [98.0, 102.0] | 120.0 [117.5, 122.5] "
                               "| 80.0 [78.0, 82.0] | 0.80x [0.78, 0.82] |")
-    assert rows[1] == ("| 64-64 | 64 | vegas weight, 256 slots, gamma 6 | 100.0 [98.0, 102.0] | "
+    assert rows[1] == ("| 64 and above | 64 | vegas weight, 256 slots, gamma 6 | 100.0 [98.0, 102.0] | "
                        "120.0 [117.5, 122.5] | 141.2 [138.0, 144.5] | 1.41x [1.38, 1.46] | "
                        "1.18x [1.15, 1.20] | 3.05 |")
     assert ("- **1-63**: vanilla: the best speculative configuration (vegas weight, 256 slots, "
             "gamma 6) measured 0.80x [0.78, 0.82], below 1.") in schedule
-    assert "- **64-64**: vegas weight, 256 slots, gamma 6: 1.41x" in schedule
+    assert "- **64 and above**: vegas weight, 256 slots, gamma 6: 1.41x" in schedule
     assert "**Recommended at batch 64, the largest size tuned**" in text
 
 

@@ -99,10 +99,11 @@ def test_show_export_and_diff(tuned_profile, tmp_path, capsys):
     code, stdout, _ = run(["diff", str(out), str(out)], capsys)
     assert code == 0
     worse = yaml.safe_load(out.read_text())
+    # Both throughputs halved (a slower machine or engine): the speedup, their ratio, stays.
     for results in (worse["results"], worse["schedule"][-1]["results"]):
-        results["tokens_per_second"] *= 0.5
-        results["tokens_per_second_interval"] = [
-            x * 0.5 for x in results["tokens_per_second_interval"]]
+        for name in ("tokens_per_second", "vanilla_tokens_per_second"):
+            results[name] *= 0.5
+            results[f"{name}_interval"] = [x * 0.5 for x in results[f"{name}_interval"]]
     worse_path = tmp_path / "worse.yaml"
     worse_path.write_text(yaml.safe_dump(worse, sort_keys=False))
     code, stdout, _ = run(["diff", str(out), str(worse_path), "--tolerance", "0.1"], capsys)
@@ -739,3 +740,27 @@ def test_time_budget_with_no_finished_trial_exits_2_and_writes_nothing(tmp_path,
     lines = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and "before any trial finished" in lines[0], err
     assert "Traceback" not in err
+
+
+def test_cpu_out_of_memory_is_a_failed_trial_not_an_internal_error(tmp_path, monkeypatch,
+                                                                  capsys):
+    # The CPU allocator raises a RuntimeError, not torch.OutOfMemoryError: still a size
+    # that did not fit, recorded in the profile, while the other sizes go on.
+    inner = batch_aware_measure(lambda batch, spec: 1.5)
+
+    def cpu_allocator(self, spec, report=None):
+        if self.workload.batch_size == 8:
+            raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. "
+                               "DefaultCPUAllocator: can't allocate memory: you tried to "
+                               "allocate 68719476736 bytes. Error code 12")
+        return inner(self, spec, report)
+
+    monkeypatch.setattr("vegas_tune.measure.Measurer.measure", cpu_allocator)
+    out = tmp_path / "p.yaml"
+    code, _, err = run([*FAST, "--out", str(out), "--batch-size", "1,8"], capsys)
+    assert code == 0, err
+    profile = yaml.safe_load(out.read_text())
+    assert [e["batch_size"] for e in profile["schedule"]] == [1]
+    (item,) = profile["not_tuned"]
+    assert item["batch_size"] == 8 and "out of memory" in item["reason"]
+    assert "can't allocate memory" in item["reason"]

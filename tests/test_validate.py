@@ -63,7 +63,9 @@ def not_recommended_dict(target: str = "vegas") -> dict:
     target ``vllm``, tuned as for the fork (``vllm_target``)."""
     data = sample_profile_dict() if target == "vegas" else vllm_target(sample_profile_dict())
     data["recommended"] = False
-    data["results"].update(speedup=0.38, speedup_interval=[0.35, 0.41])
+    # The throughput that speedup implies: 0.38 of vanilla's 28.9 tokens/s.
+    data["results"].update(speedup=0.38, speedup_interval=[0.35, 0.41],
+                           tokens_per_second=10.98, tokens_per_second_interval=[10.1, 11.8])
     return sync_headline(data)
 
 
@@ -232,7 +234,9 @@ def test_every_speculative_entry_needs_its_speedup_interval_above_1():
     assert str(error.value).startswith(
         "mem: invalid profile: schedule[0].config: speculative, but the speedup interval "
         "[0.79, 0.83] does not lie wholly above 1; the tuner runs vanilla there")
-    entry["results"].update(speedup=1.2, speedup_interval=[1.01, 1.4])
+    # 1.2 x vanilla's 31.0 tokens/s.
+    entry["results"].update(speedup=1.2, speedup_interval=[1.01, 1.4], tokens_per_second=37.2,
+                            tokens_per_second_interval=[31.4, 43.4])
     assert profile_from_dict(data).schedule[0].config.gamma == 6  # wholly above 1: valid
 
 
@@ -520,14 +524,17 @@ def test_validate_success_is_one_line_with_the_speedup_interval(tmp_path, capsys
     assert stdout.count("\n") == 1 and stdout.endswith("; recommended true)\n"), stdout
     assert stdout.startswith(f"{path}: valid (schema 5; "), stdout
     # The schedule's ranges, then the headline (batch 64) with its speedup interval.
-    assert "1-63: vanilla, 64-64: gamma 6" in stdout, stdout
+    assert "1-63: vanilla, 64 and above: gamma 6" in stdout, stdout
     assert "256 slots, gamma 6 (ratio 0.05" in stdout and "speedup 2.12x [2.05, 2.19]" in stdout, stdout
 
 
 def test_diff_compares_schema_3_profiles(tmp_path, capsys):
     old = write(tmp_path, sample_profile_dict(), "old.yaml")
     newer = sample_profile_dict()
-    newer["results"].update(speedup=1.5, speedup_interval=[1.4, 1.6])
+    # Vanilla got faster (61.4 / 1.5 = 40.93 tokens/s): the speedup fell, the throughput stayed.
+    newer["results"].update(speedup=1.5, speedup_interval=[1.4, 1.6],
+                            vanilla_tokens_per_second=40.93,
+                            vanilla_tokens_per_second_interval=[40.5, 41.4])
     new = write(tmp_path, sync_headline(newer), "new.yaml")
     code, stdout, _ = run(["diff", str(old), str(new), "--tolerance", "0.1"], capsys)
     assert code == 1
@@ -543,3 +550,73 @@ def test_json_show_round_trips(tmp_path, capsys):
     code, stdout, _ = run(["show", "--json", str(write(tmp_path, data))], capsys)
     assert code == 0
     assert json.loads(stdout) == profile_to_dict(profile_from_dict(data))
+
+
+# --- issue 42: figures derivable from others agree; keys are given once -----------------
+
+@pytest.mark.parametrize("change, expected", [
+    # The issue's profile: a speedup its own throughputs contradict (61.4 / 28.9 = 2.12).
+    (lambda d: d["results"].update(speedup=1.5, speedup_interval=[1.4, 1.6]),
+     "speedup: 1.5 disagrees with tokens_per_second / vanilla_tokens_per_second = 2.125"),
+    (lambda d: d["workload"].update(dataset_sha256="9a7b"),
+     "workload.dataset_sha256: '9a7b' is not a SHA-256"),
+    (lambda d: d["model"].update(weights_sha256="Z" * 64),
+     "model.weights_sha256: '" + "Z" * 64 + "' is not a SHA-256"),
+    (lambda d: d["results"].update(mean_accepted_length=7.5),
+     "mean_accepted_length: 7.5 exceeds config.gamma + 1 = 7"),
+])
+def test_validate_refuses_figures_that_contradict_each_other(tmp_path, capsys, change,
+                                                              expected):
+    data = sample_profile_dict()
+    change(data)
+    path = write(tmp_path, sync_headline(data))
+    code, _, err = run(["validate", str(path)], capsys)
+    assert code == 2 and err.count("\n") == 1 and expected in err, err
+
+
+def test_validate_refuses_a_last_range_beyond_its_tuned_size(tmp_path, capsys):
+    data = sample_profile_dict()
+    data["schedule"][-1]["batch_max"] = 100
+    code, _, err = run(["validate", str(write(tmp_path, data))], capsys)
+    assert code == 2 and "schedule[1].batch_max: 100; expected 64" in err, err
+
+
+def test_validate_refuses_a_key_given_twice_with_its_lines(tmp_path, capsys):
+    path = write(tmp_path, sample_profile_dict())
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join(lines + ["recommended: false"]) + "\n")
+    first = lines.index("recommended: true") + 1
+    code, _, err = run(["validate", str(path)], capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"key 'recommended' is given twice (lines {first} and {len(lines) + 1})" in err
+
+
+def test_diff_refuses_profiles_of_another_workload_and_warns_of_other_hardware(
+        tmp_path, capsys):
+    old = write(tmp_path, sample_profile_dict(), "old.yaml")
+    other = sample_profile_dict()
+    other["workload"]["dataset"] = "code"
+    other_path = write(tmp_path, other, "other.yaml")
+    code, stdout, err = run(["diff", str(old), str(other_path)], capsys)
+    assert code == 2 and stdout == "" and err.count("\n") == 1, err
+    assert "do not compare: workload.dataset: mixed vs code" in err and "--force" in err
+    code, stdout, _ = run(["diff", str(old), str(other_path), "--force"], capsys)
+    assert code == 0
+    assert stdout.splitlines()[0] == "WARNING: not like for like: workload.dataset: mixed vs code"
+    moved = sample_profile_dict()
+    moved["hardware"]["gpu_name"] = "NVIDIA H100 80GB HBM3"
+    code, stdout, _ = run(["diff", str(old), str(write(tmp_path, moved, "moved.yaml"))], capsys)
+    assert code == 0 and stdout.splitlines()[0].startswith(
+        "WARNING: not like for like: hardware.gpu_name: NVIDIA H200 vs NVIDIA H100")
+
+
+def test_show_names_the_last_range_as_open_ended(tmp_path, capsys):
+    code, stdout, _ = run(["show", str(write(tmp_path, sample_profile_dict()))], capsys)
+    assert code == 0 and "batch 64 and above: " in stdout and "64-64" not in stdout, stdout
+
+
+def test_doctor_prints_free_memory(capsys):
+    code, stdout, _ = run(["doctor"], capsys)
+    assert code in (0, 2)
+    (line,) = [line for line in stdout.splitlines() if line.startswith("memory free")]
+    assert line.split()[2].replace(".", "").isdigit() and "GiB" in line, line

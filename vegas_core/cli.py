@@ -171,6 +171,10 @@ def generate(
                                  f"(e.g. --drafter vegas) or drop {flag}")
     if prompt_file is not None:
         prompt = read_prompt_file(prompt_file)
+    if not prompt:
+        # Refused here, not by prefill after the model has loaded (seconds to minutes).
+        where = "--prompt" if prompt_file is None else f"--prompt-file {prompt_file}"
+        raise VegasError(f"{where} is empty; give the text to continue")
     spec = None
     if drafter is not None:
         spec = SpecConfig(drafter=drafter, gamma=gamma, sparsity=sparsity, min_tokens=min_tokens,

@@ -36,6 +36,12 @@ class ScheduleRange(NamedTuple):
     spec: SpecConfig | None
 
 
+def range_words(batch_min: int, batch_max: int, last: bool) -> str:
+    """A schedule range as output names it: ``16-63``; the last range ``256 and above``,
+    since every larger live batch runs its entry too."""
+    return f"{batch_min} and above" if last else f"{batch_min}-{batch_max}"
+
+
 def _is_int(value: Any) -> bool:
     # bool is an int in Python, but `true` is not a batch size.
     return isinstance(value, int) and not isinstance(value, bool)

@@ -1,5 +1,6 @@
 """Reading YAML safely: profiles and config files are small plain data, so anything else
-(aliases, huge texts, non-UTF-8 files) is refused with one line naming the source."""
+(aliases, huge texts, non-UTF-8 files, a key given twice) is refused with one line naming
+the source."""
 
 from __future__ import annotations
 
@@ -42,13 +43,32 @@ class _AliasFreeLoader(yaml.SafeLoader):
             raise _RefusedYaml("YAML anchors (&name) are not allowed; write the values out")
         return super().compose_node(parent, index)
 
+    def construct_mapping(self, node, deep=False):
+        # PyYAML keeps the last of two equal keys without a word: a config file or profile
+        # edited by hand would then run with a value its author did not see.
+        if isinstance(node, yaml.MappingNode):
+            first_line: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1  # PyYAML counts lines from zero
+                try:
+                    earlier = first_line.get(key)
+                except TypeError:
+                    continue  # an unhashable key: SafeConstructor refuses it below
+                if earlier is not None:
+                    where = f"line {line}" if earlier == line else f"lines {earlier} and {line}"
+                    raise _RefusedYaml(f"key '{key}' is given twice ({where}); keep one")
+                first_line[key] = line
+        return super().construct_mapping(node, deep)
+
 
 def read_yaml(text: str, source: str) -> Any:
     """Parse one YAML document safely: the data, or ``VegasError`` with one line naming
     ``source`` (a file name, for messages).
 
-    Refused: texts over ``MAX_YAML_BYTES``, anchors and aliases (and so merge keys),
-    nesting deeper than Python can walk, and anything that is not YAML.
+    Refused: texts over ``MAX_YAML_BYTES``, anchors and aliases (and so merge keys), a
+    mapping that gives one key twice (with the key and both lines), nesting deeper than
+    Python can walk, and anything that is not YAML.
     """
     # Characters never outnumber UTF-8 bytes, so this cheap test errs only on the safe side.
     if len(text) > MAX_YAML_BYTES:

@@ -31,6 +31,8 @@ from vegas_core.cli import EXIT_INTERRUPTED, run_app, show_defaults
 from vegas_core.errors import VegasError
 from vegas_core.loading import load_model
 from vegas_core.loading.embedded import DEFAULT_MODEL, embedded_path
+from vegas_core.loading.memory import available_bytes, gib
+from vegas_core.schedule import range_words
 from vegas_core.spec_config import SpecConfig
 from vegas_core.yamlio import read_yaml
 from vegas_tune import pipeline
@@ -45,9 +47,10 @@ from vegas_tune.measure import Measurer, Workload, interleave, series_attrs
 from vegas_tune.options import (DEFAULT_WORDS, TuneOptions, option_default, option_default_text,
                                 option_help, option_names, parse_budgets, parse_target)
 from vegas_tune.pipeline import STUDY_HARDWARE_KEYS, git_revision, settings_fingerprint
-from vegas_tune.preflight import (check_device, check_model_size, check_tune, check_values,
-                                  flag)
-from vegas_tune.profile import diff_profiles, load_profile, profile_to_dict
+from vegas_tune.preflight import (check_device, check_model_size, check_out, check_tune,
+                                  check_values, flag)
+from vegas_tune.profile import (diff_profiles, incomparable, load_profile, profile_to_dict,
+                                write_text_atomically)
 from vegas_tune.progress import ProgressReporter
 from vegas_tune.settings import TuneSettings, study_location
 from vegas_tune.spans import DEFAULT_SPAN_TOKENS, SPAN_WARMUP_ITERATIONS
@@ -338,6 +341,8 @@ def _tune_on_devices(settings, s: Settings) -> int:
     devices = resolve_devices(s["devices"])
     first = replace(settings, device="cuda" if devices[0].startswith("cuda") else "cpu")
     check_tune(first, s.labels)
+    # The dataset's contents too, before the study (and its journal) is made for workers.
+    pipeline.prepare_workload(first)
     # What each worker will see: one GPU (the fingerprint, the default paths).
     hardware = {**fingerprint(devices[0]), "gpu_count": 1 if devices[0] != "cpu" else 0}
     out, storage, study_name = study_location(settings, hardware)
@@ -359,10 +364,12 @@ def _print_summary(summary: dict) -> None:
     stderr.print(f"profile: {summary['profile']} ({verdict} at batch "
                  f"{summary['schedule'][-1]['batch_size']})")
     if len(summary["schedule"]) > 1:
-        for entry in summary["schedule"]:
+        for index, entry in enumerate(summary["schedule"]):
             config = entry["config"]
             what = "vanilla" if config == "vanilla" else tuned_words(config)
-            stderr.print(f"  batch {entry['batch_min']}-{entry['batch_max']}: {what} "
+            span = range_words(entry["batch_min"], entry["batch_max"],
+                               last=index == len(summary["schedule"]) - 1)
+            stderr.print(f"  batch {span}: {what} "
                          f"(measured at {entry['batch_size']}: speedup "
                          f"{_result_words(entry, 'speedup', 'x', 2)})")
     stderr.print(f"tuned for {summary['target']}: {tuned_words(t)}")
@@ -511,6 +518,8 @@ def grid(
                          f"{gamma_list[-1]}; use at least {min_new_tokens(gamma_list[-1])}")
     if vanilla_every < 1:
         raise VegasError(f"--vanilla-every must be >= 1, got {vanilla_every}")
+    # Before minutes of measuring: the grid, its table and <out>.partial go beside --out.
+    check_out(out, "--out", "the grid's file name", "grid.json")
     picks = {}
     for path in compare or []:
         p = load_profile(path)
@@ -609,8 +618,8 @@ def grid(
     write_json(data, out)
     partial.unlink(missing_ok=True)
     md = out.with_suffix(".md")
-    md.write_text(grid_markdown(result, f"Grid: {model}, ctx {tokens}, batch {batch_size}",
-                                lines))
+    write_text_atomically(md, grid_markdown(result, f"Grid: {model}, ctx {tokens}, batch "
+                                                    f"{batch_size}", lines), "the grid table")
     for line in lines:
         typer.echo(line)
     stderr.print(f"wrote {out} and {md}")
@@ -622,7 +631,7 @@ def validate(profile: Path = typer.Argument(..., help="Profile YAML."),
     """Check a profile's types and meaning: limits, intervals, the recommendation and the
     exports (exit 2 with one line naming the first problem)."""
     p = load_profile(profile)
-    sizes = ", ".join(f"{e.batch_min}-{e.batch_max}: "
+    sizes = ", ".join(f"{range_words(e.batch_min, e.batch_max, e is p.headline)}: "
                       + ("vanilla" if e.config == "vanilla" else f"gamma {e.config.gamma}")
                       for e in p.schedule)
     typer.echo(f"{profile}: valid (schema {p.schema_version}; schedule {sizes}; at batch "
@@ -666,7 +675,8 @@ def show(profile: Path = typer.Argument(..., help="Profile YAML."),
         for e in p.schedule:
             what = ("vanilla" if e.config == "vanilla" else
                     tuned_words(e.config))
-            typer.echo(f"    batch {e.batch_min}-{e.batch_max}: {what} (measured at "
+            typer.echo(f"    batch {range_words(e.batch_min, e.batch_max, e is p.headline)}: "
+                       f"{what} (measured at "
                        f"{e.batch_size}: {_result_words(e.results.model_dump(), 'speedup', 'x', 2)}"
                        " over vanilla)")
         for item in p.not_tuned:
@@ -680,11 +690,23 @@ def show(profile: Path = typer.Argument(..., help="Profile YAML."),
 @app.command()
 def diff(old: Path = typer.Argument(...), new: Path = typer.Argument(...),
          tolerance: float = typer.Option(0.05, help="Allowed relative loss before a regression."),
+         force: bool = typer.Option(False, "--force", help="Compare profiles of another "
+                                    "model, workload or target anyway (the output says so)."),
          debug: bool = typer.Option(False, help="Show tracebacks.")) -> int:
-    """Compare two profiles; exit 1 when NEW regresses beyond the tolerance (a CI gate)."""
+    """Compare two profiles; exit 1 when NEW regresses beyond the tolerance (a CI gate).
+    Profiles of another model, workload or target are refused (exit 2) unless --force;
+    another machine is named in a warning above the diff."""
     if not 0 <= tolerance < 1:
         raise VegasError(f"--tolerance must be in [0, 1), got {tolerance}")
-    d = diff_profiles(load_profile(old), load_profile(new), tolerance)
+    before, after = load_profile(old), load_profile(new)
+    workload, hardware = incomparable(before, after)
+    if workload and not force:
+        raise VegasError(f"{old} and {new} do not compare: {'; '.join(workload)}; diff "
+                         "profiles of one model and workload (--force compares anyway)")
+    for line in workload + hardware:
+        # On stdout, above the diff: whoever reads the diff reads the warning first.
+        typer.echo(f"WARNING: not like for like: {line}")
+    d = diff_profiles(before, after, tolerance)
     typer.echo(d.format())
     return 1 if d.regressed else 0
 
@@ -706,6 +728,8 @@ def export(profile: Path = typer.Argument(...),
     """Print a profile's serving config: `vllm serve --config` YAML, or JSON, for one
     served concurrency. Where the schedule runs vanilla at that concurrency, vanilla
     decoding is exported (with a warning) unless --force."""
+    if out is not None:
+        check_out(out, "--out", "the export's file name", "serve.yaml")
     p = load_profile(profile)
     target = target or p.target
     warning = check_target(p, target, force, str(profile))
@@ -718,16 +742,14 @@ def export(profile: Path = typer.Argument(...),
     if out is None:
         typer.echo(text, nl=not text.endswith("\n"))
         return
-    tmp = out.with_name(out.name + ".tmp")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp.write_text(text)
-    tmp.replace(out)
+    write_text_atomically(out, text, "the export")
     stderr.print(f"wrote {out}")
 
 
 @app.command()
 def doctor(debug: bool = typer.Option(False, help="Show tracebacks.")) -> int:
-    """Check the GPU, torch, triton, kernels, memory and the embedded model."""
+    """Show torch, CUDA, the GPU, triton, the attention backend, the CPU, free memory
+    (GPU and host) and the embedded model; exit 2 when the embedded model is missing."""
     fp = fingerprint()
     ok = True
     rows = [("torch", fp["torch"]), ("CUDA", fp["cuda"] or "none (CPU build)"),
@@ -738,7 +760,11 @@ def doctor(debug: bool = typer.Option(False, help="Show tracebacks.")) -> int:
             ("CPU", f"{fp['cpu']}, {fp['cpu_count']} cores")]
     if torch.cuda.is_available():
         free, total = torch.cuda.mem_get_info()
-        rows.append(("GPU memory free", f"{free / 2**30:.1f} of {total / 2**30:.1f} GiB"))
+        rows.append(("GPU memory free", f"{gib(free)} of {gib(total)}"))
+    # What the preflight's memory estimate (weights + KV cache) is held against on the CPU.
+    host_free = available_bytes(torch.device("cpu"))
+    rows.append(("memory free", "unknown" if host_free is None else
+                 f"{gib(host_free)} (the CPU: host memory within any container limit)"))
     try:
         rows.append(("embedded model", str(embedded_path(DEFAULT_MODEL))))
     except VegasError as e:

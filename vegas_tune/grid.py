@@ -21,6 +21,7 @@ from pathlib import Path
 from vegas_core import SpecConfig
 from vegas_core.errors import VegasError
 from vegas_tune.measure import Measurer, interleave, series_attrs
+from vegas_tune.profile import write_text_atomically
 from vegas_tune.space import Point, selections
 from vegas_tune.stats import Estimate, estimate
 
@@ -217,8 +218,6 @@ def grid_markdown(result: GridResult, title: str, lines: list[str]) -> str:
 
 
 def write_json(data: dict, path: Path) -> None:
-    """``data`` as JSON at ``path``, atomically."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    tmp.replace(path)
+    """``data`` as JSON at ``path``, atomically; an unwritable path is a one-line
+    ``VegasError``."""
+    write_text_atomically(path, json.dumps(data, indent=1) + "\n", "the grid")

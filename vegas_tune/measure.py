@@ -23,6 +23,8 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 
+import torch
+
 from vegas_core import SpecConfig, generate
 from vegas_core.graphs import forget_kept_graphs, static_steps
 from vegas_core.loading import LoadedModel
@@ -31,6 +33,20 @@ from vegas_tune.datasets import Prompt
 from vegas_tune.stats import Estimate, estimate
 
 log = logging.getLogger("vegas_tune")
+
+# What PyTorch's CPU allocator says when an allocation fails (a RuntimeError, where a GPU
+# raises torch.OutOfMemoryError).
+CPU_OUT_OF_MEMORY_MESSAGES = ("can't allocate memory", "DefaultCPUAllocator: not enough memory")
+
+
+def out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` is an allocation that did not fit: the GPU's
+    ``torch.OutOfMemoryError``, Python's ``MemoryError``, or the CPU allocator's
+    ``RuntimeError``."""
+    if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    return isinstance(error, RuntimeError) and any(
+        message in str(error) for message in CPU_OUT_OF_MEMORY_MESSAGES)
 
 
 @dataclass

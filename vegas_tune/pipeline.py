@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import logging
 import os
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from vegas_core import __version__ as engine_version
@@ -15,7 +17,8 @@ from vegas_core import load_model
 from vegas_core.backend import attention_backend
 from vegas_core.errors import VegasError
 from vegas_core.loading.embedded import EMBEDDED, HUB_IDS
-from vegas_tune.datasets import dataset_fingerprint, load_prompts
+from vegas_core.loading.header import read_model_header
+from vegas_tune.datasets import Prompt, dataset_fingerprint, load_prompts
 from vegas_tune.hardware import fingerprint
 from vegas_tune.measure import Measurer, Workload
 from vegas_tune.profile import (SCHEMA_VERSION, VANILLA, Tuned, build_exports, load_profile,
@@ -24,7 +27,7 @@ from vegas_tune.report import (plot_acceptance_vs_budget, plot_throughput_vs_bat
                                plot_throughput_vs_gamma, write_report, write_trials_table)
 from vegas_tune.progress import ProgressCallback
 from vegas_tune.stats import CONFIDENCE
-from vegas_tune.preflight import check_values
+from vegas_tune.preflight import check_storage, check_values, named
 from vegas_tune.space import Point, selections
 from vegas_tune.steps import RACE
 from vegas_tune.studies import check_study
@@ -106,51 +109,60 @@ def run_tune(settings: TuneSettings,
     hardware = fingerprint(settings.device)
     out, storage, study_name = study_location(settings, hardware)
     stem = out.with_suffix("")
-    # Refuse a --resume of another workload (or a rerun without --resume) before loading.
-    check_study(None, storage, study_name, resume=settings.resume, new_study=settings.new_study,
-                fingerprint=settings_fingerprint(settings, hardware))
     # The CLI has checked these with the names they came from; callers of this API have not.
     check_values({**vars(settings.options), "ctx": settings.ctx,
                   "batch_size": settings.batch_sizes,
                   "max_new_tokens": settings.max_new_tokens,
                   "num_prompts": settings.num_prompts, "temperature": settings.temperature,
-                  "spans": settings.spans, "span_tokens": settings.span_tokens})
+                  "spans": settings.spans, "span_tokens": settings.span_tokens,
+                  "resume": settings.resume, "new_study": settings.new_study})
+    if "://" not in storage:
+        check_storage(storage, "--storage")
     layout = settings.span_layout()
-    smallest = settings.batch_sizes[0]
-    rows = (prompts_for_rows(settings.num_prompts, layout) * layout.spans if layout
-            else settings.num_prompts)
-    batches = -(-rows // smallest)
-    warn_if_hard_to_time(batches * smallest * (layout.span_tokens if layout else
-                                               settings.max_new_tokens))
-    log.info("loading %s", settings.model)
-    model = load_model(settings.model, device=settings.device, dtype=settings.dtype)
-    if model.tokenizer is None:
-        raise VegasError(f"{settings.model} has no tokenizer; the tuner needs one to build prompts")
-    limit = model.config.max_position_embeddings
-    if settings.ctx + settings.max_new_tokens > limit:
-        raise VegasError(f"--ctx {settings.ctx} + --max-new-tokens {settings.max_new_tokens} "
-                         f"exceeds {model.spec}'s maximum of {limit} positions; lower --ctx")
-    if layout is None:
-        prompts = load_prompts(model.tokenizer, settings.dataset, settings.ctx,
-                               distinct_prompts(settings.num_prompts, settings.batch_sizes),
-                               settings.seed)
-        measurers = {}
-        for size in settings.batch_sizes:
-            own = prompts[:distinct_prompts(settings.num_prompts, (size,))]
-            measurers[size] = Measurer(model, Workload(own, size, settings.max_new_tokens,
-                                                       settings.temperature, settings.seed))
-    else:
-        prompts, measurers = span_measurers(model, settings, layout)
-    log.info("model %s on %s; %d prompts of %d tokens from %s; batch sizes %s; study %s in %s",
-             model.label, hardware.get("gpu_name") or "CPU", len(prompts), settings.ctx,
-             settings.dataset, ", ".join(map(str, settings.batch_sizes)), study_name, storage)
-    fp = {**settings_fingerprint(settings, hardware),
-          "dtype": str(model.dtype).removeprefix("torch."),
-          "dataset_sha256": dataset_fingerprint(prompts)}
-    tuner = Tuner(measurers, storage, study_name, settings.options,
-                  resume=settings.resume, new_study=False, fingerprint=fp, progress=progress,
-                  started=t0)
-    result = tuner.run()
+    # Every input that needs no weights is checked here, before anything is written and
+    # before the model loads: the dataset's records become prompts by the tokenizer of
+    # the model's header. (A hub id has no header before it is resolved: after loading.)
+    prompts = prepare_workload(settings, layout)
+    with removed_on_refusal(storage):
+        # Refuse a --resume of another workload (or a rerun without --resume) before loading.
+        check_study(None, storage, study_name, resume=settings.resume,
+                    new_study=settings.new_study,
+                    fingerprint=settings_fingerprint(settings, hardware))
+        # A warning only for a run that goes on: after the last refusal that needs no model.
+        smallest = settings.batch_sizes[0]
+        rows = (prompts_for_rows(settings.num_prompts, layout) * layout.spans if layout
+                else settings.num_prompts)
+        batches = -(-rows // smallest)
+        warn_if_hard_to_time(batches * smallest * (layout.span_tokens if layout else
+                                                   settings.max_new_tokens))
+        log.info("loading %s", settings.model)
+        model = load_model(settings.model, device=settings.device, dtype=settings.dtype)
+        if prompts is None:
+            if model.tokenizer is None:
+                raise VegasError(f"{settings.model} has no tokenizer; the tuner needs one to "
+                                 "build prompts")
+            check_positions(settings, model.config.max_position_embeddings)
+            prompts = load_prompts(model.tokenizer, settings.dataset, settings.ctx,
+                                   prompt_count(settings, layout), settings.seed)
+        if layout is None:
+            measurers = {}
+            for size in settings.batch_sizes:
+                own = prompts[:distinct_prompts(settings.num_prompts, (size,))]
+                measurers[size] = Measurer(model, Workload(own, size, settings.max_new_tokens,
+                                                           settings.temperature, settings.seed))
+        else:
+            measurers = span_measurers(model, settings, layout, prompts)
+        log.info("model %s on %s; %d prompts of %d tokens from %s; batch sizes %s; study %s "
+                 "in %s", model.label, hardware.get("gpu_name") or "CPU", len(prompts),
+                 settings.ctx, settings.dataset, ", ".join(map(str, settings.batch_sizes)),
+                 study_name, storage)
+        fp = {**settings_fingerprint(settings, hardware),
+              "dtype": str(model.dtype).removeprefix("torch."),
+              "dataset_sha256": dataset_fingerprint(prompts)}
+        tuner = Tuner(measurers, storage, study_name, settings.options,
+                      resume=settings.resume, new_study=False, fingerprint=fp,
+                      progress=progress, started=t0)
+        result = tuner.run()
 
     schedule = build_schedule(result.sizes, CONFIDENCE)
     head = schedule[-1]
@@ -211,14 +223,18 @@ def run_tune(settings: TuneSettings,
     return summary, 0 if recommended else EXIT_NOT_RECOMMENDED
 
 
-def span_measurers(model, settings: TuneSettings, layout: SpanLayout
-                   ) -> tuple[list, dict[int, Measurer]]:
-    """(prompts, a measurer per batch size) for a long-generation workload: every prompt
-    decoded once to the deepest span (vegas_tune.spans), then each batch size's rows, a
-    (prompt, span) pair each, as many as a trial decodes (``distinct_prompts`` rows)."""
+def prompt_count(settings: TuneSettings, layout: SpanLayout | None) -> int:
+    """Distinct prompts the workload needs: one per sequence of the largest batch (at
+    least ``--num-prompts``), or, for long generations, one per ``layout.spans`` rows."""
     rows = distinct_prompts(settings.num_prompts, settings.batch_sizes)
-    prompts = load_prompts(model.tokenizer, settings.dataset, settings.ctx,
-                           prompts_for_rows(rows, layout), settings.seed)
+    return prompts_for_rows(rows, layout) if layout else rows
+
+
+def span_measurers(model, settings: TuneSettings, layout: SpanLayout,
+                   prompts: list[Prompt]) -> dict[int, Measurer]:
+    """A measurer per batch size for a long-generation workload: every prompt decoded
+    once to the deepest span (vegas_tune.spans), then each batch size's rows, a (prompt,
+    span) pair each, as many as a trial decodes (``distinct_prompts`` rows)."""
     log.info("long generations: %s; decoding %d prompts %d tokens deep once for their "
              "contexts", layout.words(), len(prompts), layout.reference_tokens)
     started = time.monotonic()
@@ -236,7 +252,65 @@ def span_measurers(model, settings: TuneSettings, layout: SpanLayout
             own, size, layout.max_new_tokens, settings.temperature, settings.seed,
             warmup_iterations=layout.warmup_iterations,
             positions=settings.ctx + settings.max_new_tokens))
-    return prompts, measurers
+    return measurers
+
+
+def prepare_workload(settings: TuneSettings, layout: SpanLayout | None) -> list[Prompt] | None:
+    """The workload's prompts, built and checked without the model's weights: its config
+    (positions) and tokenizer come from its header (``read_model_header``). Raises
+    ``VegasError`` for a model, context or dataset the run would refuse after loading:
+    a model without a tokenizer, ctx + new tokens beyond the model's positions, a
+    dataset file that cannot be read, decoded or cut into enough prompts. None for a hub
+    id, whose header is read after loading."""
+    try:
+        header = read_model_header(settings.model)
+    except VegasError as e:
+        raise named("--model", e) from None
+    if header is None:
+        return None
+    if header.tokenizer is None:
+        raise VegasError(f"{settings.model} has no tokenizer; the tuner needs one to build "
+                         "prompts")
+    check_positions(settings, header.config.max_position_embeddings)
+    return load_prompts(header.tokenizer, settings.dataset, settings.ctx,
+                        prompt_count(settings, layout), settings.seed)
+
+
+def check_positions(settings: TuneSettings, limit: int) -> None:
+    """The prompts and the tokens generated after them fit the model's ``limit``."""
+    if settings.ctx + settings.max_new_tokens > limit:
+        raise VegasError(f"--ctx {settings.ctx} + --max-new-tokens {settings.max_new_tokens} "
+                         f"exceeds {settings.model}'s maximum of {limit} positions; lower --ctx")
+
+
+@contextlib.contextmanager
+def removed_on_refusal(storage: str) -> Iterator[None]:
+    """A journal file ``storage`` that this run creates, and the folders it creates for
+    it, are removed again when the run is refused (``VegasError``): a refused run leaves
+    nothing behind. A journal that existed before (``--resume``, workers sharing it) is
+    kept, and so is every journal after Ctrl-C (its trials resume). Database storages
+    are left to their server."""
+    if "://" in storage:
+        yield
+        return
+    journal = Path(storage).expanduser().absolute()
+    existed = journal.exists()
+    made_folders = []  # deepest first: the order they can be removed in
+    folder = journal.parent
+    while not folder.exists():
+        made_folders.append(folder)
+        folder = folder.parent
+    try:
+        yield
+    except VegasError:
+        if not existed:
+            journal.unlink(missing_ok=True)
+        for made in made_folders:
+            try:
+                made.rmdir()
+            except OSError:
+                break  # something else was written there: not ours to remove
+        raise
 
 
 def build_schedule(sizes: list, confidence: float) -> list[dict]:

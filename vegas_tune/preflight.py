@@ -10,6 +10,7 @@ the value came from: the flag (``--precision``), the environment variable
 
 from __future__ import annotations
 
+import json
 import math
 import tempfile
 from collections.abc import Mapping
@@ -19,7 +20,9 @@ from typing import Any
 from vegas_core.config import DUMMY_PREFIX
 from vegas_core.errors import VegasError
 from vegas_core.loading import resolve_device, resolve_dtype
-from vegas_core.loading.memory import check_model_fits, kv_cache_bytes, peek_config
+from vegas_core.loading.header import read_model_config
+from vegas_core.loading.memory import (check_model_fits, free_memory_words, gib,
+                                       kv_cache_bytes, largest_batch_that_fits, weight_bytes)
 from vegas_core.spec_config import MAX_GAMMA
 from vegas_tune.datasets import check_dataset
 from vegas_tune.settings import default_out
@@ -37,6 +40,10 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 SQLITE_SCHEME = "sqlite"
 SQLITE_IN_MEMORY = ":memory:"
 JOURNAL_SUFFIX = ".optuna.journal"
+# Every line of an optuna journal is a JSON object with this key (optuna's JournalOperation).
+JOURNAL_ENTRY_KEY = "op_code"
+# A journal's first line is one small operation; this much of a file tells whether it is one.
+JOURNAL_PROBE_BYTES = 2**20
 
 
 def flag(name: str) -> str:
@@ -52,7 +59,7 @@ def check_values(values: Mapping[str, Any], labels: Mapping[str, str] | None = N
     """Range checks of the tune settings present in ``values`` (None values skipped):
     counts >= 1, gammas <= the engine's maximum, 0 <= seed <= ``MAX_SEED``, temperature >= 0,
     time_budget > 0, 0 < precision < 1, max_rounds >= the tuner's minimum, budgets below
-    the context, a known log level."""
+    the context, not both resume and new_study, a known log level."""
     labels = labels or {}
 
     def value(name: str) -> Any:
@@ -113,6 +120,10 @@ def check_values(values: Mapping[str, Any], labels: Mapping[str, str] | None = N
                 f"{value('probe_gamma')}; use at least {needed}")
     if value("max_rounds") is not None and value("max_rounds") < MIN_ROUNDS:
         fail("max_rounds", f">= {MIN_ROUNDS} (an interval from fewer rounds is too wide)")
+    if value("resume") and value("new_study"):
+        raise VegasError(f"{_label(labels, 'resume')} and {_label(labels, 'new_study')} "
+                         "contradict each other: --resume continues the study's finished "
+                         "trials, --new-study discards them; give one")
     level = value("log_level")
     if level is not None and str(level).upper() not in LOG_LEVELS:
         raise VegasError(f"{_label(labels, 'log_level')} '{level}': use one of "
@@ -144,11 +155,12 @@ def check_writable_folder(folder: Path, label: str, path: Path | str) -> None:
                          f"({e.strerror or e}); choose a writable location") from None
 
 
-def check_out(out: Path, label: str) -> None:
-    """The profile (and the files written beside it) can be written at ``out``."""
+def check_out(out: Path, label: str, what: str = "the profile's file name",
+              example: str = "profile.yaml") -> None:
+    """A file (and the files written beside it) can be written at ``out``; a folder is
+    refused, asking for ``what`` (``example`` inside that folder)."""
     if out.is_dir():
-        raise VegasError(f"{label} {out} is a folder; give the profile's file name, e.g. "
-                         f"{out / 'profile.yaml'}")
+        raise VegasError(f"{label} {out} is a folder; give {what}, e.g. {out / example}")
     check_writable_folder(out.parent, label, out)
 
 
@@ -168,6 +180,7 @@ def check_storage(url: str, label: str) -> None:
             except OSError as e:
                 raise VegasError(f"{label} {url}: cannot append to it ({e.strerror or e}); "
                                  "choose another storage") from None
+            check_journal(path, label, url)
             return
         check_writable_folder(path.parent, label, url)
         return
@@ -192,6 +205,27 @@ def check_storage(url: str, label: str) -> None:
     check_writable_folder(path.parent, label, f"'{url}'")
 
 
+def check_journal(path: Path, label: str, url: str) -> None:
+    """An existing file named as the storage is an optuna journal: empty, or JSON lines
+    whose first is a journal entry. Anything else (a profile, a binary file) would fail
+    deep inside optuna as a decoding error; appending to it would damage it."""
+    try:
+        with open(path, "rb") as stream:
+            head = stream.read(JOURNAL_PROBE_BYTES)
+    except OSError as e:
+        raise VegasError(f"{label} {url}: cannot read it ({e.strerror or e}); choose another "
+                         "storage") from None
+    if not head.strip():
+        return  # a journal no study has written to yet
+    try:
+        entry = json.loads(head.split(b"\n", 1)[0].decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        entry = None
+    if not isinstance(entry, dict) or JOURNAL_ENTRY_KEY not in entry:
+        raise VegasError(f"{label} {url} is not an optuna journal (its first line is not a "
+                         "journal entry); give a journal file a tune wrote, or a new path")
+
+
 def check_device(device: str, dtype: str, labels: Mapping[str, str] | None = None):
     """(torch.device, torch.dtype) the run will use, or a named error."""
     labels = labels or {}
@@ -208,13 +242,14 @@ def check_device(device: str, dtype: str, labels: Mapping[str, str] | None = Non
 def check_model_size(spec: str, device, dtype, *, ctx: int, max_new_tokens: int,
                      batch_size: int, extra_tokens: int = 0,
                      labels: Mapping[str, str] | None = None) -> None:
-    """When ``spec``'s config can be read without loading (dummy presets, Hugging Face
-    folders): prompt + generated tokens fit its positions, and its weights plus the KV
-    cache fit the device's free memory. Other models are checked by ``load_model``
-    (weights only) and after loading (positions)."""
+    """From ``spec``'s config, read without its weights (GGUF header, ``config.json``,
+    dummy preset): prompt + generated tokens fit its positions, and its weights plus the
+    KV cache of ``batch_size`` sequences fit the device's free memory; a batch that does
+    not is refused naming the largest that does. A hub id's config may need a download:
+    ``load_model`` checks the weights and the pipeline the positions after loading."""
     labels = labels or {}
     try:
-        config = peek_config(spec)
+        config = read_model_config(spec)
     except VegasError as e:
         raise named(_label(labels, "model"), e) from None
     if config is None:
@@ -226,28 +261,46 @@ def check_model_size(spec: str, device, dtype, *, ctx: int, max_new_tokens: int,
                          f"lower {_label(labels, 'ctx')}")
     tokens = ctx + max_new_tokens + extra_tokens
     # Dummy weights are drawn in place; only weights read from a file are staged.
-    check_model_fits(config, device, dtype, staging=not spec.startswith(DUMMY_PREFIX),
-                     extra_bytes=kv_cache_bytes(config, dtype, tokens, batch_size),
-                     extra_what="KV cache",
-                     extra_fix=f"a smaller {_label(labels, 'ctx')} or "
-                               f"{_label(labels, 'batch_size')}")
+    staging = not spec.startswith(DUMMY_PREFIX)
+    fits = largest_batch_that_fits(config, device, dtype, tokens, staging=staging)
+    if fits is None or fits >= batch_size:
+        return
+    if fits < 1:
+        # Not even one sequence: the weights are the problem (a smaller dtype, a smaller
+        # model), which check_model_fits words.
+        check_model_fits(config, device, dtype, staging=staging,
+                         extra_bytes=kv_cache_bytes(config, dtype, tokens, 1),
+                         extra_what="KV cache", extra_fix=f"a smaller {_label(labels, 'ctx')}")
+        return
+    cache = kv_cache_bytes(config, dtype, tokens, batch_size)
+    where = "the CPU" if device.type == "cpu" else str(device)
+    raise VegasError(
+        f"{_label(labels, 'batch_size')}: batch {batch_size} does not fit: {spec} in "
+        f"{str(dtype).removeprefix('torch.')} needs about "
+        f"{gib(weight_bytes(config, dtype) + cache)} (weights "
+        f"{gib(weight_bytes(config, dtype))}, KV cache {gib(cache)} for {batch_size} "
+        f"sequences of {tokens} tokens), but only {free_memory_words(device)} is free on "
+        f"{where}; the largest batch that fits is {fits}: lower "
+        f"{_label(labels, 'batch_size')} or {_label(labels, 'ctx')}")
 
 
 def check_tune(settings, labels: Mapping[str, str] | None = None) -> None:
     """Everything about a ``TuneSettings`` that can be known before loading the model:
-    device and dtype, dataset, the model's positions and memory (where its config is
-    cheap to read), the profile's and the storage's paths. Run after ``check_values``."""
+    device and dtype, dataset, the model's positions and memory at the largest batch
+    size (its config read without the weights), the profile's and the storage's paths.
+    Run after ``check_values``; the dataset's contents are checked by
+    ``pipeline.prepare_workload``."""
     labels = labels or {}
     device, dtype = check_device(settings.device, settings.dtype, labels)
     try:
         check_dataset(settings.dataset)
     except VegasError as e:
         raise named(_label(labels, "dataset"), e) from None
-    # The verify pass writes gamma + 1 slots past the generated tokens.
+    # The verify pass writes gamma + 1 slots past the generated tokens. The largest size
+    # is checked: the estimate (weights and KV cache) is what any size needs at least.
     check_model_size(settings.model, device, dtype, ctx=settings.ctx,
                      max_new_tokens=settings.max_new_tokens,
-                     # Larger sizes that do not fit are recorded as not tuned at run time.
-                     batch_size=min(settings.batch_sizes),
+                     batch_size=max(settings.batch_sizes),
                      extra_tokens=MAX_GAMMA + 1, labels=labels)
     if settings.out is not None:
         check_out(Path(settings.out).expanduser(), _label(labels, "out"))

@@ -27,11 +27,13 @@ import copy
 import json
 import math
 import os
+import re
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TextIO
 
 import yaml
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field,
@@ -55,6 +57,14 @@ UPGRADABLE_VERSIONS = (2, 3, 4)
 # Relative slack when checking low <= value <= high: floating-point sums, and a mean and
 # its interval ends rounded to different digits, can leave a mean a last digit outside.
 INTERVAL_SLACK = 1e-6
+
+# How far a speedup may lie from tokens_per_second / vanilla_tokens_per_second. The tuner
+# writes the geometric mean of per-round ratios, which equals the ratio of the rounds'
+# geometric means; what separates them is rounding (throughputs to 3 decimals, speedups
+# to 4, hand-written profiles to 2 digits: 2.12 for 61.4 / 28.9 = 2.1246, 0.2%).
+SPEEDUP_AGREEMENT = 0.01
+# A SHA-256 as the profile writes it: 64 lowercase hex digits.
+SHA256_PATTERN = re.compile(r"[0-9a-f]{64}")
 
 # YAML lines are not wrapped: long values (the command line, notes) stay on one line.
 _YAML_LINE_WIDTH = 1_000_000
@@ -133,6 +143,15 @@ def _check_intervals(model: BaseModel) -> None:
             _check_interval(base, getattr(model, base), getattr(model, name))
 
 
+def _sha256(value: str | None) -> str | None:
+    if value is not None and not SHA256_PATTERN.fullmatch(value):
+        raise ValueError(f"'{value}' is not a SHA-256: expected 64 lowercase hex digits")
+    return value
+
+
+Sha256 = Annotated[str, AfterValidator(_sha256)]
+
+
 def _check_finite(value: Any, loc: tuple = ()) -> None:
     """Raise ``_FieldProblem`` at the first NaN or infinity inside free-form data."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -176,7 +195,7 @@ class ModelInfo(_Strict):
     path: str | None
     architecture: str
     dtype: str
-    weights_sha256: str | None
+    weights_sha256: Sha256 | None
     dummy: bool = False
 
 
@@ -190,7 +209,7 @@ class Workload(_Strict):
     max_new_tokens: int = Field(ge=1)
     temperature: float = Field(ge=0.0)
     dataset: str
-    dataset_sha256: str
+    dataset_sha256: Sha256
     num_prompts: int = Field(ge=1)
     # Long generations (vegas_tune.spans): trials timed spans of span_tokens at this many
     # depths of max_new_tokens, each after span_warmup_iterations; absent: every token.
@@ -256,6 +275,14 @@ class Results(_Strict):
     @model_validator(mode="after")
     def _intervals_contain_means(self) -> Results:
         _check_intervals(self)
+        figures = (self.speedup, self.tokens_per_second, self.vanilla_tokens_per_second)
+        if None not in figures:
+            ratio = self.tokens_per_second / self.vanilla_tokens_per_second
+            if abs(self.speedup - ratio) > SPEEDUP_AGREEMENT * ratio:
+                raise _FieldProblem(("speedup",),
+                                    f"{self.speedup:g} disagrees with tokens_per_second / "
+                                    f"vanilla_tokens_per_second = {ratio:.4g}; the speedup "
+                                    "is their ratio")
         if self.rounds >= 2:
             for name in type(self).model_fields:
                 if (not name.endswith("_interval") and f"{name}_interval" in type(self).model_fields
@@ -537,7 +564,9 @@ def build_exports(model_id: str, tuned: Tuned, max_num_seqs: int, max_model_len:
 
 
 def _check_schedule(schedule: list[ScheduleEntry]) -> None:
-    """Raise ``_FieldProblem`` unless the entries' ranges start at 1 and are contiguous."""
+    """Raise ``_FieldProblem`` unless the entries' ranges start at 1 and are contiguous,
+    and the last ends at the size it was measured at (the sizes above it use it too,
+    ``Profile.entry_for``)."""
     expected = 1
     for index, entry in enumerate(schedule):
         if entry.batch_min != expected:
@@ -545,6 +574,11 @@ def _check_schedule(schedule: list[ScheduleEntry]) -> None:
                                 f"{entry.batch_min}; expected {expected}: the ranges start at 1 "
                                 "and follow each other without gaps or overlaps")
         expected = entry.batch_max + 1
+    last = schedule[-1]
+    if last.batch_max != last.batch_size:
+        raise _FieldProblem(("schedule", len(schedule) - 1, "batch_max"),
+                            f"{last.batch_max}; expected {last.batch_size}: the last range "
+                            "ends at the largest tuned size (larger batches use it too)")
 
 
 def _mismatch(found: dict[str, Any], expected: dict[str, Any],
@@ -799,15 +833,29 @@ _ProfileDumper.add_representer(str, _represent_str)
 
 
 def write_profile(profile: Profile, path: str | os.PathLike) -> None:
-    """Write ``profile`` as YAML to ``path``, atomically.
+    """Write ``profile`` as YAML to ``path``, atomically (``write_atomically``). Keys keep
+    the schema's order. An ``OSError`` becomes a one-line ``VegasError``."""
+    data = profile_to_dict(profile)
+    write_atomically(path, lambda stream: yaml.dump(
+        data, stream, Dumper=_ProfileDumper, sort_keys=False, default_flow_style=False,
+        allow_unicode=True, width=_YAML_LINE_WIDTH), "the profile")
 
-    The YAML goes to a temporary file in the same folder, which is flushed, fsynced and
+
+def write_text_atomically(path: str | os.PathLike, text: str, what: str) -> None:
+    """Write ``text`` to ``path``, atomically (``write_atomically``)."""
+    write_atomically(path, lambda stream: stream.write(text), what)
+
+
+def write_atomically(path: str | os.PathLike, write: Callable[[TextIO], object],
+                     what: str) -> None:
+    """Call ``write`` on a UTF-8 text stream that replaces ``path``, atomically.
+
+    The text goes to a temporary file in the same folder, which is flushed, fsynced and
     then renamed over ``path``: readers see the old file or the new one, never a partial
     one, and a failure part-way leaves the old file as it was. Parent folders are created.
-    Keys keep the schema's order. An ``OSError`` becomes a one-line ``VegasError``.
+    An ``OSError`` becomes a one-line ``VegasError`` naming ``what`` was written.
     """
     path = Path(path)
-    data = profile_to_dict(profile)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         # A unique hidden name beside the target: same file system, so os.replace is atomic.
@@ -815,19 +863,17 @@ def write_profile(profile: Profile, path: str | os.PathLike) -> None:
         # os.open with 0o666 lets the umask decide the final permissions, as a plain open does.
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     except OSError as error:
-        raise VegasError(f"{path}: cannot write the profile: {error.strerror or error}") from None
+        raise VegasError(f"{path}: cannot write {what}: {error.strerror or error}") from None
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as stream:
-            yaml.dump(data, stream, Dumper=_ProfileDumper, sort_keys=False,
-                      default_flow_style=False, allow_unicode=True, width=_YAML_LINE_WIDTH)
+            write(stream)
             stream.flush()
             os.fsync(stream.fileno())
         os.replace(temp, path)
     except BaseException as error:
         temp.unlink(missing_ok=True)
         if isinstance(error, OSError):
-            raise VegasError(
-                f"{path}: cannot write the profile: {error.strerror or error}") from None
+            raise VegasError(f"{path}: cannot write {what}: {error.strerror or error}") from None
         raise
     _fsync_folder(path.parent)
 
@@ -897,6 +943,34 @@ def _leaves(value: Any, prefix: str) -> dict[str, Any]:
             out.update(_leaves(item, f"{prefix}[{index}]"))
         return out
     return {prefix: value}
+
+
+# What two profiles must share for their figures to compare (a change in any of these
+# changes every figure, whatever the code did), and what says which machine measured them.
+_LIKE_FOR_LIKE = {"model": ("id", "dtype"),
+                  "workload": ("ctx", "dataset", "max_new_tokens", "temperature"),
+                  "target": ()}
+_HARDWARE_KEYS = ("gpu_name", "gpu_count", "cpu")
+
+
+def incomparable(old: Profile, new: Profile) -> tuple[list[str], list[str]]:
+    """How ``old`` and ``new`` differ beyond what a diff can judge: (model, workload and
+    target differences, hardware differences), each as ``name: old vs new``."""
+    def differences(section: str, keys: tuple[str, ...]) -> list[str]:
+        if not keys:
+            before, after = getattr(old, section), getattr(new, section)
+            return [] if before == after else [f"{section}: {before} vs {after}"]
+        found = []
+        for key in keys:
+            before = getattr(getattr(old, section), key)
+            after = getattr(getattr(new, section), key)
+            if before != after:
+                found.append(f"{section}.{key}: {before} vs {after}")
+        return found
+
+    workload = [line for section, keys in _LIKE_FOR_LIKE.items()
+                for line in differences(section, keys)]
+    return workload, differences("hardware", _HARDWARE_KEYS)
 
 
 def diff_profiles(old: Profile, new: Profile, tolerance: float) -> ProfileDiff:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from vegas_core.errors import VegasError
+from vegas_core.schedule import range_words
 
 # Columns that lead the trials table, in this order; any other keys follow.
 TRIAL_COLUMNS = ("step", "batch_size", "number", "state", "config", "chosen", "drafter", "score",
@@ -710,9 +711,9 @@ def _schedule(profile: dict) -> str:
     if not entries:
         return ""
     rows, reasons = [], []
-    for e in entries:
+    for index, e in enumerate(entries):
         r = e.get("results") or {}
-        span = f"{e.get('batch_min')}-{e.get('batch_max')}"
+        span = range_words(e.get("batch_min"), e.get("batch_max"), index == len(entries) - 1)
         config = e.get("config")
         runs = ("vanilla" if config == VANILLA_CONFIG
                 else f"{_configuration_words(config)}, gamma {config.get('gamma')}")

@@ -37,7 +37,8 @@ import torch
 from vegas_core import SpecConfig
 from vegas_core.spec_config import MAX_GAMMA
 from vegas_tune.costmodel import Curve, Run, expected_tokens, per_token_extra
-from vegas_tune.measure import Measurement, Measurer, race, ratio_estimate, series_attrs
+from vegas_tune.measure import (Measurement, Measurer, out_of_memory, race, ratio_estimate,
+                                series_attrs)
 from vegas_tune.options import TuneOptions
 from vegas_tune.space import MAX_WINDOW, MIN_BUDGET, Point, Selection
 from vegas_tune.stats import Estimate, estimate
@@ -111,32 +112,43 @@ class Measuring:
 
     def guarded(self, trial, claim: str, measure: Callable[[], object]):
         """Claim ``claim`` for ``trial`` (``Studies.claim``), then run ``measure``. Out
-        of memory, it runs once more after freeing the graphs kept for configurations
-        measured earlier: where the cache fills most of the GPU, those (one set per gamma
-        and budget) are what a new configuration lacks room for. Out of memory again, the
-        trial fails with its reason recorded (not retried on resume) and the tuner goes
-        on."""
+        of memory (on a GPU or the CPU, ``measure.out_of_memory``), it runs once more after
+        freeing the graphs kept for configurations measured earlier: where the cache fills
+        most of the GPU, those (one set per gamma and budget) are what a new configuration
+        lacks room for. Out of memory again, the trial fails with its reason recorded (not
+        retried on resume) and the tuner goes on."""
         self.studies.claim(trial.study, trial, claim)
         try:
             with self.studies.interrupts.interruptible():
                 try:
                     return measure()
-                except torch.cuda.OutOfMemoryError:
-                    if not self._forget_kept_graphs():
+                except (RuntimeError, MemoryError) as e:
+                    if not out_of_memory(e) or not self._forget_kept_graphs():
                         raise
                     log.info("out of memory: freed the graphs kept for earlier "
                              "configurations, measuring again")
                     return measure()
-        except torch.cuda.OutOfMemoryError as e:
-            trial.set_user_attr("failed_reason", f"out of memory: {str(e).splitlines()[0]}")
-            torch.cuda.empty_cache()
-            raise
+        except (RuntimeError, MemoryError) as e:
+            if not out_of_memory(e):
+                raise
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            trial.set_user_attr("failed_reason", f"out of memory: {reason}")
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            if isinstance(e, torch.OutOfMemoryError):
+                raise
+            # The CPU allocator's failure, as the one type the studies and the tuner
+            # record as out of memory (a failed trial, a size not tuned), not a bug.
+            raise torch.OutOfMemoryError(reason) from e
 
     def _forget_kept_graphs(self) -> bool:
         """Free every measurer's kept graphs (one model: one workspace); False when
         there was nothing to free."""
-        freed = any([m.forget_kept_graphs() for m in self.measurers.values()])
-        torch.cuda.empty_cache()
+        freed = False
+        for measurer in self.measurers.values():  # every one: no short-circuit
+            freed = measurer.forget_kept_graphs() or freed
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         return freed
 
     @staticmethod

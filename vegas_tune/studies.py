@@ -84,7 +84,12 @@ def open_storage(url: str):
     from optuna.storages.journal import JournalFileBackend, JournalStorage
 
     os.makedirs(os.path.dirname(os.path.abspath(url)), exist_ok=True)
-    return JournalStorage(JournalFileBackend(url))
+    try:
+        return JournalStorage(JournalFileBackend(url))
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+        # optuna replays every line of the file: a file that is not a journal fails there.
+        raise VegasError(f"storage {url} is not an optuna journal ({type(e).__name__}); give "
+                         "a journal file a tune wrote, or a new path") from None
 
 
 def _rdb_url(url: str) -> str:

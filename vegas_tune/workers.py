@@ -25,9 +25,9 @@ import threading
 from pathlib import Path
 
 import torch
-import yaml
 
 from vegas_core.errors import VegasError
+from vegas_core.yamlio import read_yaml_file
 
 log = logging.getLogger("vegas_tune")
 
@@ -203,7 +203,7 @@ def _collect(results, relays, outs, devices, out: Path) -> tuple[dict | None, in
 
 def _check_agreement(outs, summaries, devices) -> None:
     """Workers choose from the same trials: their profiles agree. Say so if not."""
-    profiles = {i: yaml.safe_load(outs[i].read_text()) for i in summaries}
+    profiles = {i: read_yaml_file(outs[i], "profile") for i in summaries}
     first = min(profiles)
     for i, profile in profiles.items():
         differing = [k for k in AGREED_FIELDS if profile.get(k) != profiles[first].get(k)]

@@ -11,9 +11,10 @@ import torch
 from vegas_core.config import DUMMY_PREFIX, ModelConfig
 from vegas_core.errors import VegasError
 from vegas_core.loading.dummy import load_dummy
-from vegas_core.loading.embedded import DEFAULT_MODEL, EMBEDDED, embedded_path
+from vegas_core.loading.embedded import DEFAULT_MODEL
 from vegas_core.loading.gguf import load_gguf
-from vegas_core.loading.hf import is_hf_dir, load_hf_dir, resolve_hub_id
+from vegas_core.loading.header import locate_model, single_gguf
+from vegas_core.loading.hf import is_hf_dir, load_hf_dir
 from vegas_core.model import Transformer
 
 DTYPES = {
@@ -86,43 +87,12 @@ def load_model(
     """
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    path: Path | None = None
     if spec.startswith(DUMMY_PREFIX):
         config, net, tok = load_dummy(spec[len(DUMMY_PREFIX):], device=dev, dtype=dt)
         return LoadedModel(config, net, tok, spec, None, True)
-    if spec in EMBEDDED:
-        path = embedded_path(spec)
-    else:
-        path = Path(spec).expanduser()
-        if not path.exists():
-            if _looks_like_hub_id(spec):
-                path = resolve_hub_id(spec)
-            else:
-                raise VegasError(
-                    f"model '{spec}' not found: no such file or directory, and not an "
-                    f"embedded model ({', '.join(EMBEDDED)}) or a hub id (owner/name)"
-                )
+    path = locate_model(spec, download=True)
     if path.is_dir() and is_hf_dir(path):
         config, net, tok = load_hf_dir(path, device=dev, dtype=dt)
     else:
-        gguf_file = _single_gguf(path)
-        config, net, tok = load_gguf(gguf_file, device=dev, dtype=dt)
+        config, net, tok = load_gguf(single_gguf(path), device=dev, dtype=dt)
     return LoadedModel(config, net, tok, spec, path, False)
-
-
-def _looks_like_hub_id(spec: str) -> bool:
-    parts = spec.split("/")
-    return len(parts) == 2 and all(parts) and not spec.startswith((".", "~"))
-
-
-def _single_gguf(path: Path) -> Path:
-    if path.is_file():
-        return path
-    found = sorted(path.glob("*.gguf"))
-    if len(found) == 1:
-        return found[0]
-    if not found:
-        raise VegasError(
-            f"{path} holds no model: expected config.json with *.safetensors, or a .gguf file"
-        )
-    raise VegasError(f"{path} holds {len(found)} .gguf files; pass the one to load")

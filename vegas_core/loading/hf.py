@@ -56,12 +56,17 @@ def _hf_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
             raise VegasError(f"{file} is truncated or corrupt ({e}); download it again") from e
 
 
-def load_hf_dir(path: Path, *, device: torch.device, dtype: torch.dtype):
+def read_hf_config(path: Path) -> ModelConfig:
+    """The model config of the Hugging Face folder ``path`` (its ``config.json``)."""
     try:
-        hf_config = json.loads((path / "config.json").read_text())
-    except json.JSONDecodeError as e:
+        hf_config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise VegasError(f"{path / 'config.json'} is not valid JSON ({e}); fix or re-download it") from e
-    config = ModelConfig.from_hf(hf_config, name=path.name)
+    return ModelConfig.from_hf(hf_config, name=path.name)
+
+
+def load_hf_dir(path: Path, *, device: torch.device, dtype: torch.dtype):
+    config = read_hf_config(path)
     if not any(path.glob("*.safetensors")):
         raise VegasError(
             f"{path} has a config.json but no *.safetensors weights; convert the "
@@ -73,7 +78,7 @@ def load_hf_dir(path: Path, *, device: torch.device, dtype: torch.dtype):
     elif config.family == "gpt_oss":
         tensors = _per_expert(tensors)
     net = build_with_weights(config, tensors, device=device, dtype=dtype, source=str(path))
-    return config, net, _hf_tokenizer(path, config)
+    return config, net, hf_tokenizer(path, config)
 
 
 def _unit_offset_norms(tensors: Iterator[tuple[str, torch.Tensor]]
@@ -115,7 +120,7 @@ def _per_expert(tensors: Iterator[tuple[str, torch.Tensor]]
             yield f"{mlp}.experts.{e}.up_proj.{suffix}", up
 
 
-def _hf_tokenizer(path: Path, config: ModelConfig):
+def hf_tokenizer(path: Path, config: ModelConfig):
     if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
         return None
     from transformers import AutoTokenizer  # deferred (0.7 s to import)

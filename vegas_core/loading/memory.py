@@ -8,12 +8,11 @@ weights are dequantized to the compute dtype, so they grow well beyond the file.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
-from vegas_core.config import DUMMY_PREFIX, ModelConfig, preset_config
+from vegas_core.config import ModelConfig
 from vegas_core.errors import VegasError
 
 BYTES_PER_GIB = 2**30
@@ -59,6 +58,26 @@ def kv_cache_bytes(config: ModelConfig, dtype: torch.dtype, tokens: int, batch_s
     """A preallocated K and V cache of ``tokens`` positions for ``batch_size`` sequences."""
     per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim
     return per_token * tokens * batch_size * dtype_bytes(dtype)
+
+
+def largest_batch_that_fits(config: ModelConfig, device: torch.device, dtype: torch.dtype,
+                            tokens: int, *, staging: bool = True) -> int | None:
+    """The most sequences of ``tokens`` positions whose KV cache fits beside the weights
+    in ``device``'s free memory (0: not even one); None when the free memory cannot be
+    told. The same need as ``check_model_fits``: weights, the staging copy (see there)
+    and the cache."""
+    free = available_bytes(device)
+    if free is None:
+        return None
+    fixed = weight_bytes(config, dtype) + (
+        staging_bytes(config) if staging and device.type == "cpu" else 0)
+    return max(0, (free - fixed) // kv_cache_bytes(config, dtype, tokens, 1))
+
+
+def free_memory_words(device: torch.device) -> str:
+    """``12.3 GiB`` free on ``device``, or ``unknown``."""
+    free = available_bytes(device)
+    return "unknown" if free is None else gib(free)
 
 
 def _read_int(path: str) -> int | None:
@@ -123,7 +142,8 @@ def available_bytes(device: torch.device) -> int | None:
     return min(known) if known else None
 
 
-def _gib(n: int) -> str:
+def gib(n: int) -> str:
+    """``n`` bytes as ``12.3 GiB``."""
     return f"{n / BYTES_PER_GIB:.1f} GiB"
 
 
@@ -150,37 +170,18 @@ def check_model_fits(config: ModelConfig, device: torch.device, dtype: torch.dty
     if total <= free:
         return
     dtype_name = str(dtype).removeprefix("torch.")
-    parts = [f"weights {_gib(weight_bytes(config, dtype))}"]
+    parts = [f"weights {gib(weight_bytes(config, dtype))}"]
     if extra_bytes:
-        parts.append(f"{extra_what or 'other'} {_gib(extra_bytes)}")
+        parts.append(f"{extra_what or 'other'} {gib(extra_bytes)}")
     where = "the CPU" if device.type == "cpu" else str(device)
     if dtype_bytes(dtype) > dtype_bytes(SMALLER_DTYPE) and need(SMALLER_DTYPE) <= free:
-        fix = f"use --dtype {str(SMALLER_DTYPE).removeprefix('torch.')} (about {_gib(need(SMALLER_DTYPE))})"
+        fix = f"use --dtype {str(SMALLER_DTYPE).removeprefix('torch.')} (about {gib(need(SMALLER_DTYPE))})"
     else:
         fix = "use a smaller model"
         if extra_fix:
             fix += f" or {extra_fix}"
     raise VegasError(
-        f"{config.name} in {dtype_name} needs about {_gib(total)} of memory "
-        f"({', '.join(parts)}), but only {_gib(free)} is free on {where}; {fix}, or run "
+        f"{config.name} in {dtype_name} needs about {gib(total)} of memory "
+        f"({', '.join(parts)}), but only {gib(free)} is free on {where}; {fix}, or run "
         f"on a machine with more memory"
     )
-
-
-
-def peek_config(spec: str) -> ModelConfig | None:
-    """``spec``'s config when it is cheap to read without the weights: a dummy preset or
-    a Hugging Face folder's ``config.json``. None for GGUF files (their header holds the
-    vocabulary: seconds to parse), hub ids (maybe a download) and anything unreadable;
-    ``load_model`` checks those itself before allocating."""
-    if spec.startswith(DUMMY_PREFIX):
-        return preset_config(spec[len(DUMMY_PREFIX):])
-    folder = Path(spec).expanduser()
-    config_file = folder / "config.json"
-    if not config_file.is_file():
-        return None
-    try:
-        hf = json.loads(config_file.read_text())
-        return ModelConfig.from_hf(hf, name=folder.name)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None  # a broken config is reported, with its reason, by the loader
