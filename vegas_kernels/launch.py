@@ -123,7 +123,7 @@ SPARSE_NARROW_STAGES = 2
 # A sparse launch whose programs fit in one wave and whose splits hold at most this many
 # tiles (a batch of one or two at 5% of the prefix) runs tiles of half the slots and
 # twice the splits: twice the programs in flight over lists too short to fill each one's
-# pipeline (Qwen3-8B shape, batch 1, 64k / 128k: 12.3 -> 11.0 / 16.2 -> 14.6 us a layer,
+# pipeline (Qwen3-8B shape, batch 1, 64k / 128k: 11.88 -> 10.96 / 16.07 -> 14.58 us a layer,
 # there; docs/results/kernel-launch.md, the section of ed7e2a3).
 SHORT_SPLIT_TILES = 4
 
