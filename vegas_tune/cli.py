@@ -342,7 +342,7 @@ def _tune_on_devices(settings, s: Settings) -> int:
     first = replace(settings, device="cuda" if devices[0].startswith("cuda") else "cpu")
     check_tune(first, s.labels)
     # The dataset's contents too, before the study (and its journal) is made for workers.
-    pipeline.prepare_workload(first)
+    pipeline.prepare_workload(first, first.span_layout())
     # What each worker will see: one GPU (the fingerprint, the default paths).
     hardware = {**fingerprint(devices[0]), "gpu_count": 1 if devices[0] != "cpu" else 0}
     out, storage, study_name = study_location(settings, hardware)

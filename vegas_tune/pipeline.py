@@ -255,7 +255,8 @@ def span_measurers(model, settings: TuneSettings, layout: SpanLayout,
     return measurers
 
 
-def prepare_workload(settings: TuneSettings, layout: SpanLayout | None) -> list[Prompt] | None:
+def prepare_workload(settings: TuneSettings,
+                     layout: SpanLayout | None) -> list[Prompt] | None:
     """The workload's prompts, built and checked without the model's weights: its config
     (positions) and tokenizer come from its header (``read_model_header``). Raises
     ``VegasError`` for a model, context or dataset the run would refuse after loading:
