@@ -14,9 +14,9 @@ import yaml
 from vegas_core.errors import VegasError
 from vegas_tune.export import check_target, recommendation_note, render_export
 from vegas_tune.profile import build_exports
-from vegas_tune.serving import (VLLM_MEASURED, VLLM_NOTE, VLLM_TARGET,
-                                engine_settings, vllm_note, vllm_serve_config,
-                                vllm_speculative_config)
+from vegas_tune.serving import (VLLM_BATCH_TABLE_KEY, VLLM_MEASURED, VLLM_NOTE, VLLM_TARGET,
+                                check_vllm_batch_table, engine_settings, vllm_note,
+                                vllm_serve_config, vllm_speculative_config)
 from vegas_tune.profile import (SCHEMA_VERSION, Profile, Tuned, diff_profiles, load_profile,
                                 profile_from_dict, profile_to_dict, write_profile)
 
@@ -1044,6 +1044,63 @@ def test_serve_batch_outside_the_tuned_sizes_is_refused(serve_batch):
         assert ("re-tune with --batch-size up to" in str(error.value)) is (serve_batch > 64)
 
 
+# --- vLLM's per-batch-size table (--per-batch-size) -----------------------------------
+
+@pytest.mark.parametrize("serve_batch, table", [
+    (None, [[1, 1, 0], [2, 8, 4], [9, 64, 6]]),
+    (8, [[1, 1, 0], [2, 8, 4]]),  # ranges the server never reaches are left out
+])
+def test_per_batch_size_table_follows_the_schedule(serve_batch, table):
+    profile = profile_from_dict(three_size_profile_dict())
+    text = render_export(profile, "vllm", "yaml", serve_batch=serve_batch, per_batch_size=True)
+    speculative = yaml.safe_load(text)["speculative-config"]
+    assert speculative[VLLM_BATCH_TABLE_KEY] == table
+    check_vllm_batch_table(speculative[VLLM_BATCH_TABLE_KEY])
+    # vLLM sizes its buffers for num_speculative_tokens and clamps the table to it.
+    assert speculative["num_speculative_tokens"] == max(k for _, _, k in table)
+    # One fork config serves every size: the served entry's drafter and budget; the range
+    # measured with another budget is named.
+    served = Tuned(**(TUNED if serve_batch is None else MID_TUNED))
+    assert speculative["sparse_attn_ratio"] == served.sparsity_ratio
+    assert "measured with" in text if serve_batch is None else "measured with" not in text
+    if serve_batch is None:
+        assert "batch 2-8: measured with sparsity_ratio 0.1, min_tokens 128" in text
+    as_json = json.loads(render_export(profile, "vllm", "json", serve_batch=serve_batch,
+                                       per_batch_size=True))
+    assert as_json == speculative
+
+
+def test_per_batch_size_on_a_vanilla_served_entry_takes_the_largest_speculative_one():
+    profile = profile_from_dict(three_size_profile_dict())
+    speculative = json.loads(render_export(profile, "vllm", "json", serve_batch=1,
+                                           per_batch_size=True))
+    assert speculative[VLLM_BATCH_TABLE_KEY] == [[1, 1, 0]]
+    assert speculative["sparse_attn_ratio"] == TUNED["sparsity_ratio"]
+    assert speculative["num_speculative_tokens"] == TUNED["gamma"]  # vLLM needs K > 0
+
+
+def test_per_batch_size_is_for_vllm_only():
+    profile = profile_from_dict(three_size_profile_dict())
+    with pytest.raises(VegasError) as error:
+        render_export(profile, "vegas", "yaml", force=True, per_batch_size=True)
+    assert_one_line(error, "--per-batch-size writes vLLM's table")
+
+
+@pytest.mark.parametrize("table, problem", [
+    ([], "non-empty list"),
+    ([[1, 8, 2.5]], "three integers"),
+    ([[1, 8]], "three integers"),
+    ([[2, 8, 3]], "must start at batch size 1"),
+    ([[1, 8, 3], [8, 16, 2]], "sorted and must not overlap"),
+    ([[1, 8, 3], [9, 16, 2], [4, 6, 1]], "sorted and must not overlap"),
+    ([[1, 8, -1]], "K must be >= 0"),
+    ([[1, 0, 3]], "0 < start <= end"),
+])
+def test_vllm_batch_table_rules(table, problem):
+    with pytest.raises(ValueError, match=problem):
+        check_vllm_batch_table(table)
+
+
 # --- dense drafts: a sparsity ratio of 1 ---------------------------------------------
 
 def _dense_profile_dict() -> dict:
@@ -1109,13 +1166,19 @@ COMMITTED = sorted((Path(__file__).resolve().parents[1] / "profiles").glob("*/*.
 @pytest.mark.parametrize("path", COMMITTED, ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_every_committed_profile_loads_and_exports(path):
     """The profiles in profiles/ are what users copy: each still loads under the current
-    schema (older ones through their upgrade) and exports for vLLM."""
-    from vegas_tune.export import render_export
-
+    schema (older ones through their upgrade) and exports for vLLM, with a per-batch-size
+    table that follows vLLM's rules for it where the profile runs speculatively."""
     profile = load_profile(path)
     assert profile.schedule
     text = render_export(profile, "vllm", "yaml", force=True)
     assert "max-model-len" in yaml.safe_load(text)
+    if any(e.config != "vanilla" for e in profile.schedule):
+        speculative = yaml.safe_load(render_export(profile, "vllm", "yaml",
+                                                   per_batch_size=True))["speculative-config"]
+        table = speculative[VLLM_BATCH_TABLE_KEY]
+        check_vllm_batch_table(table)
+        assert [(lo, hi) for lo, hi, _ in table] == [(e.batch_min, e.batch_max)
+                                                     for e in profile.schedule]
 
 
 @pytest.mark.parametrize("path", COMMITTED, ids=lambda p: f"{p.parent.name}/{p.name}")

@@ -724,6 +724,10 @@ def export(profile: Path = typer.Argument(...),
            serve_batch: Optional[int] = typer.Option(
                None, help="Concurrent sequences the server runs (max-num-seqs): the schedule "
                           "entry for it is exported. Default: the largest tuned size."),
+           per_batch_size: bool = typer.Option(
+               False, "--per-batch-size", help="vllm: add the whole schedule as vLLM's "
+               "num_speculative_tokens_per_batch_size table (K per batch range, 0 where it "
+               "runs vanilla); read by vLLM's dynamic speculative decoding, not by the fork."),
            debug: bool = typer.Option(False, help="Show tracebacks.")) -> None:
     """Print a profile's serving config: `vllm serve --config` YAML, or JSON, for one
     served concurrency. Where the schedule runs vanilla at that concurrency, vanilla
@@ -733,8 +737,11 @@ def export(profile: Path = typer.Argument(...),
     p = load_profile(profile)
     target = target or p.target
     warning = check_target(p, target, force, str(profile))
-    text = render_export(p, target, fmt, force=force, serve_batch=serve_batch)
-    note = recommendation_note(p, str(profile), force, serve_batch=serve_batch)
+    text = render_export(p, target, fmt, force=force, serve_batch=serve_batch,
+                         per_batch_size=per_batch_size)
+    # The table runs vanilla where the schedule does: no warning about the served entry.
+    note = None if per_batch_size else recommendation_note(p, str(profile), force,
+                                                           serve_batch=serve_batch)
     for line in (warning, note):
         if line:
             # Plain echo, not rich: rich would treat "[0.35, 0.41]" as possible markup.

@@ -29,6 +29,17 @@ speculative settings:
   ``vegas_core.generate`` decodes plainly (``SpecConfig(**settings)`` on it fails loudly
   rather than speculating with defaults).
 
+With ``per_batch_size`` (target vllm), the speculative config also carries the whole
+schedule as vLLM's per-batch-size table (``num_speculative_tokens_per_batch_size``:
+inclusive ``[batch_min, batch_max, K]`` ranges, K = 0 where the schedule runs vanilla)
+and ``num_speculative_tokens`` becomes the largest K (vLLM sizes its buffers for it and
+clamps the table to it). One fork config fixes the drafter and budget for every batch
+size, so they come from the served entry (or, where it runs vanilla, the speculative
+entry of the largest batch size); the note names each range that was measured with
+another selection or budget. vLLM reads the table since its dynamic speculative
+decoding (pull request 32374); the authors' fork, built on an earlier vLLM, rejects
+unknown speculative keys, so the table is for a vLLM that runs both.
+
 vegas: the keyword arguments of ``vegas_core.SpecConfig`` for the same settings.
 ``recommendation_note`` gives the one line the CLI prints on stderr for a vanilla entry.
 """
@@ -42,7 +53,8 @@ import yaml
 
 from vegas_core.errors import VegasError
 from vegas_tune.profile import VANILLA, Profile, ScheduleEntry
-from vegas_tune.serving import (JSON_INDENT, engine_settings, speculative_json, vllm_note,
+from vegas_tune.serving import (JSON_INDENT, VLLM_BATCH_TABLE_KEY, VLLM_SPECULATIVE_KEY,
+                                engine_settings, speculative_json, vllm_batch_table, vllm_note,
                                 vllm_serve_config)
 
 EXPORT_TARGETS = ("vllm", "vegas")
@@ -73,8 +85,20 @@ def served_entry(profile: Profile, serve_batch: int | None) -> tuple[int, Schedu
     return serve_batch, profile.entry_for(serve_batch)
 
 
+class _Dumper(yaml.SafeDumper):
+    """Block style, except lists of numbers (the per-batch-size table's [lo, hi, K])."""
+
+    def represent_list(self, data):
+        flow = bool(data) and all(isinstance(x, int | float) for x in data)
+        return self.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=flow)
+
+
+_Dumper.add_representer(list, _Dumper.represent_list)
+
+
 def _yaml(data: Any) -> str:
-    return yaml.safe_dump(data, sort_keys=False, default_flow_style=False, allow_unicode=True)
+    return yaml.dump(data, Dumper=_Dumper, sort_keys=False, default_flow_style=False,
+                     allow_unicode=True)
 
 
 def _json(data: Any) -> str:
@@ -105,7 +129,7 @@ def check_target(profile: Profile, target: str, force: bool, source: str) -> str
 
 
 def render_export(profile: Profile, target: str, fmt: str, force: bool = False,
-                  serve_batch: int | None = None) -> str:
+                  serve_batch: int | None = None, per_batch_size: bool = False) -> str:
     """Render the serving settings for ``serve_batch`` concurrent sequences (default: the
     largest tuned size) as text, from the schedule entry for that size.
 
@@ -124,6 +148,11 @@ def render_export(profile: Profile, target: str, fmt: str, force: bool = False,
         raise VegasError(f"unknown export format '{fmt}'; choose one of: "
                          f"{', '.join(EXPORT_FORMATS)}")
     batch, entry = served_entry(profile, serve_batch)
+    if per_batch_size:
+        if target != "vllm":
+            raise VegasError("--per-batch-size writes vLLM's table; this engine follows "
+                             "the profile's schedule itself (vegas generate --profile)")
+        return _render_batch_table(profile, fmt, batch, entry)
     tuned = entry.speculative if force or entry.config != VANILLA else None
     if target == "vllm":
         model_id = profile.exports.vllm.serve_config["model"]
@@ -136,6 +165,43 @@ def render_export(profile: Profile, target: str, fmt: str, force: bool = False,
         return _comment(_vanilla_note(entry, batch)) + VANILLA_TEXT if fmt == "yaml" else VANILLA_TEXT
     settings = engine_settings(tuned)
     return _yaml(settings) if fmt == "yaml" else _json(settings)
+
+
+# Said of a per-batch-size export: who reads the table.
+BATCH_TABLE_NOTE = (
+    "num_speculative_tokens_per_batch_size is vLLM's per-batch-size table (dynamic "
+    "speculative decoding, vLLM pull request 32374): K per inclusive range of live batch "
+    "sizes, 0 where this profile runs vanilla. The authors' fork, built on an earlier "
+    "vLLM, rejects it as an unknown key.")
+
+
+def _render_batch_table(profile: Profile, fmt: str, batch: int, entry: ScheduleEntry) -> str:
+    """The vLLM export of the whole schedule up to ``batch`` sequences (see the module
+    docstring); ``VegasError`` when no entry runs speculatively."""
+    speculative = [e for e in profile.schedule if e.config != VANILLA]
+    if not speculative:
+        raise VegasError("the schedule runs vanilla at every batch size: there is no "
+                         "speculative configuration to give a table")
+    served = entry.config if entry.config != VANILLA else speculative[-1].config
+    ranges = [(e.batch_min, e.batch_max, None if e.config == VANILLA else e.config)
+              for e in profile.schedule if e.batch_min <= batch]
+    table, unmeasured = vllm_batch_table(ranges, served)
+    model_id = profile.exports.vllm.serve_config["model"]
+    serve = vllm_serve_config(model_id, served, batch, max_model_len(profile))
+    speculative_config = serve.get(VLLM_SPECULATIVE_KEY)
+    if speculative_config is None:
+        raise VegasError(f"the fork cannot run {served.drafter} at sparsity ratio "
+                         f"{served.sparsity_ratio:g}: there is no speculative config to "
+                         "give a table")
+    speculative_config["num_speculative_tokens"] = max(k for _, _, k in table) or served.gamma
+    speculative_config[VLLM_BATCH_TABLE_KEY] = table
+    if fmt == "json":
+        return _json(speculative_config)
+    note = vllm_note(served, profile.target) + " " + BATCH_TABLE_NOTE
+    if unmeasured:
+        note += (" vLLM runs this config's drafter and budget at every batch size; these "
+                 "ranges were measured with others: " + "; ".join(unmeasured) + ".")
+    return _comment(note) + _yaml(serve)
 
 
 def _vanilla_note(entry: ScheduleEntry, batch: int) -> str:

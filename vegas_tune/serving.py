@@ -34,6 +34,60 @@ VLLM_METHOD = "sparse_attn"
 VLLM_SPECULATIVE_KEY = "speculative-config"
 # Indentation of the JSON that `--speculative-config` takes: readable when pasted.
 JSON_INDENT = 2
+# vLLM's dynamic speculative decoding (pull request 32374): a list of inclusive
+# [batch_lo, batch_hi, K] ranges; K = 0 turns speculation off for that range.
+VLLM_BATCH_TABLE_KEY = "num_speculative_tokens_per_batch_size"
+# The selection and budget of a configuration: what one fork speculative config fixes
+# for every batch size (only gamma varies through the table). The drafter's options
+# count only between two configurations of one drafter.
+BUDGET_FIELDS = ("sparsity_ratio", "min_tokens")
+SELECTION_FIELDS = ("collect", "score", "granularity", "window", "rule")
+
+
+def vllm_batch_table(ranges: list[tuple[int, int, Tuned | None]], served: Tuned
+                     ) -> tuple[list[list[int]], list[str]]:
+    """vLLM's per-batch-size table for a schedule served with ``served``'s selection and
+    budget: ``ranges`` are (batch_min, batch_max, configuration or None for vanilla), in
+    order. Returns the table, one ``[batch_min, batch_max, K]`` per range (K = 0 where the
+    schedule runs vanilla, else the range's gamma), and a line for each range whose
+    measured selection or budget differs from ``served`` (vLLM would run ``served``'s
+    there at that gamma: a configuration not measured)."""
+    table, unmeasured = [], []
+    for low, high, tuned in ranges:
+        table.append([low, high, 0 if tuned is None else tuned.gamma])
+        if tuned is None:
+            continue
+        fields = (("drafter",) if tuned.drafter != served.drafter
+                  else SELECTION_FIELDS) + BUDGET_FIELDS
+        differs = [f"{name} {getattr(tuned, name)!r}" for name in fields
+                   if getattr(tuned, name) != getattr(served, name)]
+        if differs:
+            unmeasured.append(f"batch {low}-{high}: measured with {', '.join(differs)}")
+    return table, unmeasured
+
+
+def check_vllm_batch_table(table: object) -> None:
+    """Raise ``ValueError`` unless ``table`` follows vLLM's rules for
+    ``num_speculative_tokens_per_batch_size``: a non-empty list of [start, end, K]
+    integer triples, 0 < start <= end, K >= 0, sorted and non-overlapping, the first
+    starting at 1 (so that every batch size has a K)."""
+    if not isinstance(table, list) or not table:
+        raise ValueError("the table must be a non-empty list of [start, end, K] entries")
+    previous_end = 0
+    for entry in table:
+        if (not isinstance(entry, list) or len(entry) != 3
+                or not all(type(x) is int for x in entry)):
+            raise ValueError(f"{entry!r}: each entry must be three integers [start, end, K]")
+        start, end, k = entry
+        if not 0 < start <= end:
+            raise ValueError(f"{entry!r}: a range needs 0 < start <= end")
+        if k < 0:
+            raise ValueError(f"{entry!r}: K must be >= 0")
+        if start <= previous_end:
+            raise ValueError(f"{entry!r}: ranges must be sorted and must not overlap")
+        previous_end = end
+    if table[0][0] != 1:
+        raise ValueError("the first range must start at batch size 1")
 
 
 def vllm_speculative_config(tuned: Tuned) -> dict[str, Any] | None:
