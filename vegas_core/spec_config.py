@@ -23,6 +23,12 @@ FORK_RULE_DRAFTERS = ("vegas", "streaming")
 FORK_BLOCK = 16
 # At least a quarter of a vegas budget stays verification-guided.
 MAX_WINDOW = 0.75
+# The largest decay of scores accumulated across iterations (``accumulate``): at 1 the
+# first verify pass's scores would never fade.
+MAX_ACCUMULATE = 0.95
+# At least a quarter of a vegas budget stays verification-guided when pages are
+# chosen by their key bounds (``pages``).
+MAX_PAGES = 0.75
 # Most draft tokens per iteration the engine accepts (the verify pass has gamma + 1 rows);
 # profiles are checked against it too.
 MAX_GAMMA = 64
@@ -100,6 +106,14 @@ class SpecConfig:
     window: ``vegas`` only: the share of the budget (0 to 0.75) reserved for 16 sink
         tokens and the most recent prefix tokens; the rest is the verification-guided
         top-k. 0 is the paper's rule.
+    accumulate: ``vegas`` only: the decay d (0 to 0.95) of scores accumulated across
+        iterations: a slot ranked before keeps ``d * earlier + (1 - d) * new``, a slot
+        ranked for the first time its new score. 0 (the paper's rule): the last verify
+        pass alone.
+    pages: ``vegas`` only: the share of the budget (0 to 0.75) given to whole 16-slot
+        pages chosen at every draft step and layer by Quest's key bounds with the
+        draft's own query; the rest is the verification-guided top-k (and its window).
+        Query-dependent: served by the PyTorch reference path, like ``quest``.
     rule: ``engine`` (this engine's rule) or ``fork`` (what the authors' vLLM fork runs;
         ``vegas`` and ``streaming`` only). ``vegas``: the first selection ranks every
         prompt slot by the prompt's last row; later ones rank the prefix and the
@@ -117,6 +131,8 @@ class SpecConfig:
     granularity: str = "layer"
     window: float = 0.0
     rule: str = "engine"
+    accumulate: float = 0.0
+    pages: float = 0.0
 
     def __post_init__(self) -> None:
         for name, allowed in (("drafter", DRAFTERS), ("collect", COLLECT),
@@ -131,6 +147,14 @@ class SpecConfig:
             raise VegasError(f"sparsity must be in (0, 1], got {self.sparsity}")
         if not 0.0 <= self.window <= MAX_WINDOW:
             raise VegasError(f"window must be between 0 and {MAX_WINDOW}, got {self.window}")
+        if not 0.0 <= self.accumulate <= MAX_ACCUMULATE:
+            raise VegasError(f"accumulate must be between 0 and {MAX_ACCUMULATE}, "
+                             f"got {self.accumulate}")
+        if not 0.0 <= self.pages <= MAX_PAGES:
+            raise VegasError(f"pages must be between 0 and {MAX_PAGES}, got {self.pages}")
+        if (self.accumulate or self.pages) and self.drafter != "vegas":
+            raise VegasError(f"accumulate and pages are vegas options; set them to 0 for "
+                             f"drafter '{self.drafter}'")
         if self.min_tokens < 1:
             raise VegasError(f"min_tokens must be >= 1, got {self.min_tokens}")
         if self.rule == "fork" and self.drafter not in FORK_RULE_DRAFTERS:
