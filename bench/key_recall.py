@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from vegas_core import SpecConfig, VegasError, generate, load_model  # noqa: E402
 from vegas_core import attention as attention_module  # noqa: E402
 from vegas_core.attention import ATTENTION_ENV, reference_attention  # noqa: E402
+from vegas_core.prefill import PrefixCache  # noqa: E402
 from vegas_core.selection import STREAMING_SINKS  # noqa: E402
 from vegas_tune.datasets import embedded_prompts  # noqa: E402
 from bench.acceptance import hardware, with_ext, write_atomic  # noqa: E402
@@ -116,14 +117,17 @@ def run(args, out: Path) -> list[dict]:
     for dataset in args.datasets:
         for ctx in args.ctx:
             for prompt in embedded_prompts(model.tokenizer, dataset, ctx, args.num_prompts):
-                vanilla = generate(model, [prompt.ids], args.max_new_tokens, ignore_eos=True)
+                # The prompt's K/V computed once: its prefill costs more than a short decode.
+                reuse = PrefixCache()
+                vanilla = generate(model, [prompt.ids], args.max_new_tokens, ignore_eos=True,
+                                   prefix_cache=reuse)
                 for label, drafter, options in configs:
                     t = time.perf_counter()
                     spec = SpecConfig(drafter=drafter, gamma=args.gamma, sparsity=args.sparsity,
                                       min_tokens=args.min_tokens, **options)
                     with RecallProbe().installed() as probe:
                         result = generate(model, [prompt.ids], args.max_new_tokens,
-                                          ignore_eos=True, spec=spec)
+                                          ignore_eos=True, spec=spec, prefix_cache=reuse)
                     layers = probe.means()
                     rows.append(dict(
                         dataset=dataset, prompt=prompt.name, ctx=ctx, config=label,
