@@ -48,7 +48,8 @@ from bench.spec_options import parse_config  # noqa: E402
 RECENT_BAND = 128
 BANDS = ("sink", "recent", "far")
 # What is recorded per layer: the captured mass, the missed mass per band, the tail's mass.
-MEASURES = ("captured", *(f"missed_{band}" for band in BANDS), "tail")
+# output_error: |draft's attention output - the true one| / |the true one|, per head.
+MEASURES = ("captured", *(f"missed_{band}" for band in BANDS), "tail", "output_error")
 
 
 class RecallProbe:
@@ -67,9 +68,10 @@ class RecallProbe:
         previous = os.environ.get(ATTENTION_ENV)
 
         def probed(q, k, v, layer, meta, sinks=None):
+            out = original(q, k, v, layer, meta, sinks)
             if meta.mode == "draft" and not meta.drafts_whole_window(layer):
-                self.record(q, k, v, layer, meta, sinks)
-            return original(q, k, v, layer, meta, sinks)
+                self.record(q, k, v, layer, meta, sinks, out)
+            return out
 
         attention_module._reference = probed
         os.environ[ATTENTION_ENV] = "reference"
@@ -82,10 +84,12 @@ class RecallProbe:
             else:
                 os.environ[ATTENTION_ENV] = previous
 
-    def record(self, q, k, v, layer: int, meta, sinks) -> None:
+    def record(self, q, k, v, layer: int, meta, sinks, drafted_out: torch.Tensor) -> None:
         grabbed = {}
         full = meta.causal_mask(layer)[:, None, None]  # [B, 1, 1, T, S]
-        reference_attention(q, k, v, full, lambda s, p, m: grabbed.update(p=p), sinks)
+        true_out = reference_attention(q, k, v, full, lambda s, p, m: grabbed.update(p=p),
+                                       sinks)  # [B, T, H, D]
+        error = (drafted_out - true_out).float().norm(dim=-1) / true_out.float().norm(dim=-1)
         probs = grabbed["p"]  # [B, H_kv, group, T, S]: the true attention
         drafted = meta.mask(layer, q, k)  # [B, G, 1, T, S]: what the draft reads
         slots = torch.arange(meta.kv_len, device=q.device)
@@ -98,7 +102,8 @@ class RecallProbe:
         def share(where) -> float:  # mean over sequences, heads and rows
             return float((probs * where).sum(-1).mean())
 
-        values = {"captured": share(drafted), "tail": share(~prefix)}
+        values = {"captured": share(drafted), "tail": share(~prefix),
+                  "output_error": float(error.mean())}
         for band, where in bands.items():
             values[f"missed_{band}"] = share(where & ~drafted)
         for name, value in values.items():
@@ -163,28 +168,30 @@ def summarize(rows: list[dict], args, seconds: float) -> str:
         f"- Command: `python {' '.join(shlex.quote(a) for a in sys.argv)}`",
         f"- Mass shares averaged over draft steps, heads and the selecting layers; missed "
         f"mass by band: the {STREAMING_SINKS} sinks, the {RECENT_BAND} prefix slots before "
-        "the tail, the far rest; tail: the slots written since the selection.", "",
+        "the tail, the far rest; tail: the slots written since the selection; output "
+        "error: |draft attention output - true| / |true|, per head.", "",
         "| dataset | ctx | config | accepted length | captured | missed: sinks | "
-        "missed: recent | missed: far | tail | exact |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "missed: recent | missed: far | tail | output error | exact |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     layer_rows = []
     for (dataset, ctx, config), group in by_group.items():
         per_prompt = [r["layers"].values() for r in group]
-        cell = {name: _mean(_mean(m[name] for m in layers) for layers in per_prompt)
-                for name in MEASURES}
+        cell = {name: _mean(_mean(m.get(name, float("nan")) for m in layers)
+                            for layers in per_prompt) for name in MEASURES}
         mal = _mean(r["mean_accepted_length"] for r in group)
         exact = f"{sum(r['matches_vanilla'] for r in group)}/{len(group)}"
         lines.append(f"| {dataset} | {ctx} | {config} | {mal:.2f} | "
                      + " | ".join(f"{cell[n]:.3f}" for n in MEASURES) + f" | {exact} |")
         layer_ids = sorted({int(layer) for r in group for layer in r["layers"]})
         if len(layer_ids) <= args.per_layer_max:
-            captured = [_mean(r["layers"][str(i)]["captured"] for r in group) for i in layer_ids]
-            layer_rows.append(f"| {dataset} | {ctx} | {config} | "
-                              + " | ".join(f"{i}: {c:.3f}" for i, c in zip(layer_ids, captured))
-                              + " |")
+            per = [{n: _mean(r["layers"][str(i)].get(n, float("nan")) for r in group)
+                    for n in ("captured", "output_error")} for i in layer_ids]
+            layer_rows.append(f"| {dataset} | {ctx} | {config} | " + " | ".join(
+                f"{i}: {m['captured']:.3f} / {m['output_error']:.3f}"
+                for i, m in zip(layer_ids, per)) + " |")
     if layer_rows:
-        lines += ["", "Captured mass per selecting layer:", "",
+        lines += ["", "Captured mass / output error per selecting layer:", "",
                   "| dataset | ctx | config | layers |", "| --- | --- | --- | --- |", *layer_rows]
     return "\n".join(lines) + "\n"
 

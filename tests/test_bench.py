@@ -294,6 +294,7 @@ def test_key_recall_of_a_budget_covering_the_prefix_is_whole():
 
     _, means = _recall_means(SpecConfig(gamma=3, sparsity=1.0, min_tokens=2))
     assert all(m["captured"] == pytest.approx(1.0, abs=1e-5) for m in means.values())
+    assert all(m["output_error"] < 1e-4 for m in means.values())
 
 
 def test_bench_configurations_parse_and_refuse_unknown_options():

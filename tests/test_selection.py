@@ -440,9 +440,19 @@ def test_pages_add_whole_quest_pages_to_the_verification_top_k():
 
 @pytest.mark.parametrize("options", [dict(accumulate=0.5, drafter="streaming"),
                                      dict(pages=0.25, drafter="quest"), dict(accumulate=1.0),
-                                     dict(pages=0.9)])
+                                     dict(pages=0.9), dict(spread=65),
+                                     dict(spread=2, drafter="oracle")])
 def test_key_options_out_of_range_or_on_other_drafters_are_refused(options):
     from vegas_core.errors import VegasError
 
-    with pytest.raises(VegasError, match="accumulate|pages"):
+    with pytest.raises(VegasError, match="accumulate|pages|spread"):
         SpecConfig(**options)
+
+
+def test_spread_ranks_the_slots_after_a_strongly_attended_one_with_it():
+    spec = SpecConfig(spread=2, min_tokens=1)
+    scores = torch.tensor([0.0, 9.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0])[None, None, None]
+    sel = make_drafter(spec, 1).select(SelectionInputs(
+        scores, T, torch.tensor([0]), torch.tensor([8]), torch.tensor([3]), 1, 1))
+    # Slots 1, 2 and 3 share slot 1's 9; slot 5's 1 reaches 6 and 7 only.
+    assert sorted(sel.indices[0, 0, 0].tolist()) == [1, 2, 3]

@@ -223,6 +223,8 @@ class VegasDrafter(Drafter):
         scores = inputs.scores[..., :span]  # [L', B, H_kv, S]
         if self.history is not None:
             scores = self.history.update(scores, inputs.prefix_len)
+        if self.spec.spread > 0:
+            scores = spread_forward(scores, self.spec.spread)
         budget, page_slots = inputs.budget, None
         if self.spec.pages > 0:
             # Whole pages for the query-guided share, the rest for the verify's top-k.
@@ -241,6 +243,16 @@ class VegasDrafter(Drafter):
         if page_slots is None:
             return top
         return PagedSelection(top, QuestSelection(inputs.prefix_len, page_slots))
+
+
+def spread_forward(scores: torch.Tensor, spread: int) -> torch.Tensor:
+    """scores [L', B, H_kv, S] -> the same shape, each slot's score the highest of its
+    own and the ``spread`` slots before it (a causal max-pool), so that the slots after
+    a strongly attended one rank with it."""
+    l, b, h, s = scores.shape
+    flat = scores.float().reshape(l * b * h, 1, s)
+    padded = F.pad(flat, (spread, 0), value=float("-inf"))
+    return F.max_pool1d(padded, spread + 1, stride=1).reshape(l, b, h, s)
 
 
 def _page_share(budget: torch.Tensor, share: float) -> torch.Tensor:

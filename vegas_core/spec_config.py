@@ -32,6 +32,9 @@ MAX_PAGES = 0.75
 # Most draft tokens per iteration the engine accepts (the verify pass has gamma + 1 rows);
 # profiles are checked against it too.
 MAX_GAMMA = 64
+# The most slots after a high-scoring slot that ``spread`` lifts to its score: beyond a
+# draft's reach (gamma up to MAX_GAMMA) a run of slots costs budget and earns nothing.
+MAX_SPREAD = MAX_GAMMA
 
 
 _Length = TypeVar("_Length", int, torch.Tensor)
@@ -114,6 +117,10 @@ class SpecConfig:
         pages chosen at every draft step and layer by Quest's key bounds with the
         draft's own query; the rest is the verification-guided top-k (and its window).
         Query-dependent: served by the PyTorch reference path, like ``quest``.
+    spread: ``vegas`` only: each prefix slot ranks by the highest score of itself and
+        the ``spread`` slots before it (0 to 64; 0, the paper's rule: its own). Copying
+        heads attend at the source slot of the token they copy; the next drafts need
+        the slots after it, which the verify rows had no reason to attend.
     rule: ``engine`` (this engine's rule) or ``fork`` (what the authors' vLLM fork runs;
         ``vegas`` and ``streaming`` only). ``vegas``: the first selection ranks every
         prompt slot by the prompt's last row; later ones rank the prefix and the
@@ -133,6 +140,7 @@ class SpecConfig:
     rule: str = "engine"
     accumulate: float = 0.0
     pages: float = 0.0
+    spread: int = 0
 
     def __post_init__(self) -> None:
         for name, allowed in (("drafter", DRAFTERS), ("collect", COLLECT),
@@ -152,9 +160,11 @@ class SpecConfig:
                              f"got {self.accumulate}")
         if not 0.0 <= self.pages <= MAX_PAGES:
             raise VegasError(f"pages must be between 0 and {MAX_PAGES}, got {self.pages}")
-        if (self.accumulate or self.pages) and self.drafter != "vegas":
-            raise VegasError(f"accumulate and pages are vegas options; set them to 0 for "
-                             f"drafter '{self.drafter}'")
+        if not 0 <= self.spread <= MAX_SPREAD:
+            raise VegasError(f"spread must be between 0 and {MAX_SPREAD}, got {self.spread}")
+        if (self.accumulate or self.pages or self.spread) and self.drafter != "vegas":
+            raise VegasError(f"accumulate, pages and spread are vegas options; set them to 0 "
+                             f"for drafter '{self.drafter}'")
         if self.min_tokens < 1:
             raise VegasError(f"min_tokens must be >= 1, got {self.min_tokens}")
         if self.rule == "fork" and self.drafter not in FORK_RULE_DRAFTERS:
