@@ -13,6 +13,7 @@ from vegas_core.spec_config import DRAFTERS
 SHARED = ("drafter", "gamma", "sparsity", "min_tokens")
 OPTIONS = tuple(f.name for f in fields(SpecConfig) if f.name not in SHARED)
 FLOAT_OPTIONS = tuple(f.name for f in fields(SpecConfig) if f.type in ("float", float))
+INT_OPTIONS = tuple(f.name for f in fields(SpecConfig) if f.type in ("int", int))
 
 
 def parse_config(text: str) -> tuple[str, str, dict]:
@@ -27,6 +28,10 @@ def parse_config(text: str) -> tuple[str, str, dict]:
         if not eq or name not in OPTIONS:
             raise VegasError(f"'{item}' in '{text}' is not name=value with a name of: "
                              f"{', '.join(OPTIONS)}")
-        options[name] = float(value) if name in FLOAT_OPTIONS else value
+        try:
+            options[name] = (float(value) if name in FLOAT_OPTIONS
+                             else int(value) if name in INT_OPTIONS else value)
+        except ValueError:
+            raise VegasError(f"'{item}' in '{text}': {name} takes a number") from None
     SpecConfig(drafter=drafter, **options)  # refuses bad values with its own message
     return text, drafter, options

@@ -303,6 +303,9 @@ def test_bench_configurations_parse_and_refuse_unknown_options():
 
     assert parse_config("vegas:score=weight,accumulate=0.5") == (
         "vegas:score=weight,accumulate=0.5", "vegas", {"score": "weight", "accumulate": 0.5})
+    assert parse_config("vegas:spread=4")[2] == {"spread": 4}
+    with pytest.raises(VegasError, match="takes a number"):
+        parse_config("vegas:spread=x")
     with pytest.raises(VegasError, match="name=value"):
         parse_config("vegas:decay=0.5")
     with pytest.raises(VegasError, match="accumulate"):
