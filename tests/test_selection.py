@@ -456,3 +456,12 @@ def test_spread_ranks_the_slots_after_a_strongly_attended_one_with_it():
         scores, T, torch.tensor([0]), torch.tensor([8]), torch.tensor([3]), 1, 1))
     # Slots 1, 2 and 3 share slot 1's 9; slot 5's 1 reaches 6 and 7 only.
     assert sorted(sel.indices[0, 0, 0].tolist()) == [1, 2, 3]
+
+
+def test_a_configuration_without_the_key_options_keeps_its_earlier_dict():
+    """The tuner keys its trials by ``to_dict``: studies made before the options resume."""
+    assert set(SpecConfig().to_dict()) == {"drafter", "gamma", "sparsity", "min_tokens",
+                                           "collect", "score", "granularity", "window", "rule"}
+    with_spread = SpecConfig(spread=4)
+    assert with_spread.to_dict()["spread"] == 4
+    assert SpecConfig(**with_spread.to_dict()) == with_spread

@@ -37,6 +37,10 @@ MAX_GAMMA = 64
 MAX_SPREAD = MAX_GAMMA
 
 
+# Fields ``to_dict`` leaves out at their default (0: off).
+OPTIONAL_FIELDS = ("accumulate", "pages", "spread")
+
+
 _Length = TypeVar("_Length", int, torch.Tensor)
 
 
@@ -172,4 +176,11 @@ class SpecConfig:
                              f"{' and '.join(FORK_RULE_DRAFTERS)}, not for '{self.drafter}'")
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The fields; issue 41's options only where set, so that the tuner's claim keys
+        and records of configurations without them are what they were before them (a
+        study resumes without measuring its configurations again)."""
+        out = asdict(self)
+        for name in OPTIONAL_FIELDS:
+            if out[name] == 0:
+                del out[name]
+        return out
