@@ -46,6 +46,7 @@ from vegas_core import SpecConfig, VegasError, generate, load_model  # noqa: E40
 from vegas_core.spec_config import (DRAFTERS, FORK_RULE_DRAFTERS, RULES, SCORES,  # noqa: E402
                                     draft_budget)
 from vegas_tune.datasets import embedded_prompts  # noqa: E402
+from bench.spec_options import parse_config  # noqa: E402
 from vegas_tune.spans import (DEFAULT_SPAN_TOKENS, SPAN_WARMUP_ITERATIONS, SpanLayout,  # noqa: E402
                               span_rows)
 
@@ -72,9 +73,11 @@ def with_ext(out: Path, ext: str) -> Path:
 
 
 def configurations(drafters: list[str], scores: list[str],
-                   rules: tuple[str, ...] = ("engine",)) -> list[tuple[str, str, dict]]:
+                   rules: tuple[str, ...] = ("engine",),
+                   extra: tuple[str, ...] = ()) -> list[tuple[str, str, dict]]:
     """(label, drafter, SpecConfig options) for each configuration to run: every drafter
-    under this engine's rule, and vegas and streaming under each other rule (``@rule``)."""
+    under this engine's rule, vegas and streaming under each other rule (``@rule``), and
+    the ``extra`` ones written as ``DRAFTER:name=value,...`` (``bench.spec_options``)."""
     out = []
     for rule in rules:
         tag = "" if rule == "engine" else f"@{rule}"
@@ -89,7 +92,7 @@ def configurations(drafters: list[str], scores: list[str],
                 out.append((drafter + tag, drafter, {"score": scores[0], **options}))
             else:
                 out.append((drafter + tag, drafter, options))
-    return out
+    return out + [parse_config(text) for text in extra]
 
 
 def span_layout(args) -> SpanLayout | None:
@@ -133,7 +136,7 @@ def run(args, out: Path) -> list[dict]:
                       file=sys.stderr, flush=True)
                 for sparsity in args.sparsity:
                     for label, drafter, options in configurations(args.drafters, args.scores,
-                                                                  args.rules):
+                                                                  args.rules, args.extra):
                         spec = SpecConfig(drafter=drafter, gamma=args.gamma, sparsity=sparsity,
                                           min_tokens=args.min_tokens, **options)
                         s, exact = decode(model, prompt, vanilla.tokens[0], spec, layout,
@@ -171,7 +174,8 @@ def summarize(rows: list[dict], args, seconds: float) -> str:
     for r in rows:
         groups[(r["dataset"], r["ctx"], r["sparsity"])][r["drafter"]].append(r["mean_accepted_length"])
         exact[r["drafter"]].append(r["matches_vanilla"])
-    drafters = [label for label, _, _ in configurations(args.drafters, args.scores, args.rules)]
+    drafters = [label for label, _, _ in configurations(args.drafters, args.scores, args.rules,
+                                                            args.extra)]
     vegas = [d for d in drafters if d.startswith("vegas")]
     layout = span_layout(args)
     lines = [
@@ -244,6 +248,9 @@ def main() -> None:
     p.add_argument("--rules", nargs="+", default=["engine"], choices=RULES,
                    help="selection rules; fork runs vegas and streaming again under the "
                         "vLLM fork's rule (docs/drafters.md)")
+    p.add_argument("--extra", nargs="+", default=[],
+                   help="more configurations, DRAFTER:name=value,... with SpecConfig's "
+                        "options (vegas:score=weight,accumulate=0.8), run beside --drafters")
     p.add_argument("--gamma", type=int, default=6)
     p.add_argument("--min-tokens", type=int, default=64)
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -268,6 +275,7 @@ def main() -> None:
     t = time.perf_counter()
     try:
         span_layout(args)  # checked before the model loads
+        configurations(args.drafters, args.scores, args.rules, args.extra)
         rows = json.loads(args.from_json.read_text()) if args.from_json else run(args, out)
     except VegasError as error:
         print(f"error: {error}", file=sys.stderr)

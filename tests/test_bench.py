@@ -263,3 +263,50 @@ def test_replay_with_a_grid_lists_todays_candidates_beside_their_grid_runs(tmp_p
     assert "Grid's best: vegas weight window 0.0, 512 slots, gamma 9: 2.150x" in out
     below = float(out.split("the best candidate's run is ")[1].split("%")[0])
     assert 0.0 <= below < 5.0
+
+
+def _recall_means(spec):
+    from bench.key_recall import RecallProbe
+    from tests.test_engine import tiny_model
+    from vegas_core import generate
+
+    model = tiny_model()
+    prompt = [3 + (i * 7) % 50 for i in range(60)]
+    with RecallProbe().installed() as probe:
+        generate(model, [prompt], 6, ignore_eos=True, spec=spec)
+    return model, probe.means()
+
+
+def test_key_recall_accounts_for_all_the_mass_and_sees_every_selecting_layer():
+    from vegas_core import SpecConfig
+
+    model, means = _recall_means(SpecConfig(gamma=3, sparsity=0.01, min_tokens=2))
+    assert sorted(means) == list(range(model.config.num_layers))
+    for m in means.values():
+        # The tail is always read: what the draft reads and misses make the whole row.
+        whole = m["captured"] + m["missed_sink"] + m["missed_recent"] + m["missed_far"]
+        assert whole == pytest.approx(1.0, abs=1e-5)
+        assert m["captured"] < 1.0 - 1e-3 and m["captured"] >= m["tail"]
+
+
+def test_key_recall_of_a_budget_covering_the_prefix_is_whole():
+    from vegas_core import SpecConfig
+
+    _, means = _recall_means(SpecConfig(gamma=3, sparsity=1.0, min_tokens=2))
+    assert all(m["captured"] == pytest.approx(1.0, abs=1e-5) for m in means.values())
+    assert all(m["output_error"] < 1e-4 for m in means.values())
+
+
+def test_bench_configurations_parse_and_refuse_unknown_options():
+    from bench.spec_options import parse_config
+    from vegas_core import VegasError
+
+    assert parse_config("vegas:score=weight,accumulate=0.5") == (
+        "vegas:score=weight,accumulate=0.5", "vegas", {"score": "weight", "accumulate": 0.5})
+    assert parse_config("vegas:spread=4")[2] == {"spread": 4}
+    with pytest.raises(VegasError, match="takes a number"):
+        parse_config("vegas:spread=x")
+    with pytest.raises(VegasError, match="name=value"):
+        parse_config("vegas:decay=0.5")
+    with pytest.raises(VegasError, match="accumulate"):
+        parse_config("streaming:accumulate=0.5")

@@ -389,3 +389,79 @@ def test_the_fork_rule_is_only_for_vegas_and_streaming():
 
     with pytest.raises(VegasError, match="rule 'fork'"):
         SpecConfig(drafter="quest", rule="fork")
+
+
+# ---- issue 41's key options: accumulate, pages ---------------------------------------
+
+def test_accumulated_scores_decay_the_earlier_ones_and_start_new_slots_fresh():
+    from vegas_core.score_history import ScoreHistory
+
+    history = ScoreHistory(0.5)
+    first = torch.tensor([[[[4.0, 2.0, 9.0]]]])  # [L', B, H_kv, S]: slots 0, 1 ranked
+    history.update(first, torch.tensor([2]))
+    second = torch.tensor([[[[0.0, 6.0, 1.0, 3.0]]]])  # slots 0..2 ranked now
+    got = history.update(second, torch.tensor([3]))
+    # Slots 0 and 1 blend half and half; slot 2 was tail last time: its new score alone.
+    assert got[0, 0, 0, :3].tolist() == [2.0, 4.0, 1.0]
+
+
+def test_accumulate_changes_the_top_k_toward_slots_that_scored_before():
+    spec = SpecConfig(accumulate=0.9, min_tokens=1)
+    drafter = make_drafter(spec, 1)
+    prefix, budget = torch.tensor([4]), torch.tensor([1])
+
+    def pick(values):
+        scores = torch.tensor(values)[None, None, None]  # [1, 1, 1, S]
+        sel = drafter.select(SelectionInputs(scores, T, torch.tensor([0]), prefix, budget, 1, 1))
+        return int(sel.indices[0, 0, 0, 0])
+
+    assert pick([5.0, 0.0, 0.0, 0.0]) == 0
+    # Slot 1 now leads the new pass alone, but slot 0's history keeps it first.
+    assert pick([0.0, 1.0, 0.0, 0.0]) == 0
+    assert make_drafter(SpecConfig(min_tokens=1), 1).select(SelectionInputs(
+        torch.tensor([0.0, 1.0, 0.0, 0.0])[None, None, None], T, torch.tensor([0]), prefix,
+        budget, 1, 1)).indices[0, 0, 0, 0] == 1
+
+
+def test_pages_add_whole_quest_pages_to_the_verification_top_k():
+    torch.manual_seed(4)
+    prefix, budget = torch.tensor([64]), torch.tensor([24])
+    spec = SpecConfig(pages=0.75, min_tokens=1, granularity="kv_head")
+    scores = torch.randn(1, 1, 1, 64)
+    sel = make_drafter(spec, 1).select(SelectionInputs(scores, T, torch.tensor([0]), prefix,
+                                                       budget, 1, 1))
+    q, k = torch.randn(1, 1, 2, 4), torch.randn(1, 1, 64, 4)
+    got = set(sel.prefix_mask(0, 64, q, k, torch.tensor([[70]]))[0, 0].nonzero()
+              .flatten().tolist())
+    # 24 * 0.75 = 18 slots: one page of 16 (the last prefix page), 8 slots by score.
+    top = set(torch.topk(scores[0, 0, 0], 8).indices.tolist())
+    assert got == top | set(range(48, 64))
+
+
+@pytest.mark.parametrize("options", [dict(accumulate=0.5, drafter="streaming"),
+                                     dict(pages=0.25, drafter="quest"), dict(accumulate=1.0),
+                                     dict(pages=0.9), dict(spread=65),
+                                     dict(spread=2, drafter="oracle")])
+def test_key_options_out_of_range_or_on_other_drafters_are_refused(options):
+    from vegas_core.errors import VegasError
+
+    with pytest.raises(VegasError, match="accumulate|pages|spread"):
+        SpecConfig(**options)
+
+
+def test_spread_ranks_the_slots_after_a_strongly_attended_one_with_it():
+    spec = SpecConfig(spread=2, min_tokens=1)
+    scores = torch.tensor([0.0, 9.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0])[None, None, None]
+    sel = make_drafter(spec, 1).select(SelectionInputs(
+        scores, T, torch.tensor([0]), torch.tensor([8]), torch.tensor([3]), 1, 1))
+    # Slots 1, 2 and 3 share slot 1's 9; slot 5's 1 reaches 6 and 7 only.
+    assert sorted(sel.indices[0, 0, 0].tolist()) == [1, 2, 3]
+
+
+def test_a_configuration_without_the_key_options_keeps_its_earlier_dict():
+    """The tuner keys its trials by ``to_dict``: studies made before the options resume."""
+    assert set(SpecConfig().to_dict()) == {"drafter", "gamma", "sparsity", "min_tokens",
+                                           "collect", "score", "granularity", "window", "rule"}
+    with_spread = SpecConfig(spread=4)
+    assert with_spread.to_dict()["spread"] == 4
+    assert SpecConfig(**with_spread.to_dict()) == with_spread

@@ -215,3 +215,19 @@ def test_every_configuration_the_tuner_can_choose_is_lossless(smollm, short_batc
     spec = Point(selection, 48, TuneOptions().probe_gamma).spec(longest_prefix(600, 16))
     out = generate(smollm, prompts, max_new_tokens=16, ignore_eos=True, spec=spec)
     assert out.tokens == vanilla
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("options", [
+    dict(accumulate=0.5), dict(accumulate=0.8, score="weight", granularity="kv_head"),
+    dict(pages=0.5), dict(pages=0.25, accumulate=0.5, score="weight", window=0.25),
+    dict(accumulate=0.5, score="weight", rule="fork"), dict(spread=6, score="weight"),
+    dict(spread=3, collect="all", granularity="kv_head")],
+    ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
+def test_the_key_options_are_lossless(smollm, long_batch, options):
+    """Issue 41's vegas options: scores accumulated across iterations, Quest pages beside
+    the verification top-k."""
+    prompts, vanilla = long_batch
+    spec = SpecConfig(gamma=5, sparsity=0.05, min_tokens=48, **options)
+    out = generate(smollm, prompts, max_new_tokens=32, ignore_eos=True, spec=spec)
+    assert out.tokens == vanilla

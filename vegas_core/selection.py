@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from vegas_kernels import select_slots
 from vegas_core.attention import SparseSelection, kernels_enabled
+from vegas_core.score_history import ScoreHistory
 from vegas_core.spec_config import (FORK_BLOCK, SpecConfig, draft_budget, fork_budget,
                                     fork_stream_window_start)
 
@@ -188,6 +189,7 @@ class VegasDrafter(Drafter):
         self.score_mode = spec.score
         self.every_layer = len(self.layers) == num_layers
         self.collect_layers = None if self.every_layer else set(self.layers)
+        self.history = ScoreHistory(spec.accumulate) if spec.accumulate > 0 else None
 
     def prefill_window(self, gamma: int) -> int:
         # The fork selects first from its prefill pass, by the prompt's last row alone:
@@ -215,20 +217,49 @@ class VegasDrafter(Drafter):
         return collected_rows(self.spec.collect, window_rows,
                               torch.zeros(batch, dtype=torch.long, device=device))
 
-    def select(self, inputs: SelectionInputs) -> SparseSelection:
+    def select(self, inputs: SelectionInputs) -> SparseSelection | PagedSelection:
         # Only prefix slots are candidates: the kernels' score rows may run longer.
         span = max(inputs.longest_prefix(), 1)
         scores = inputs.scores[..., :span]  # [L', B, H_kv, S]
+        if self.history is not None:
+            scores = self.history.update(scores, inputs.prefix_len)
+        if self.spec.spread > 0:
+            scores = spread_forward(scores, self.spec.spread)
+        budget, page_slots = inputs.budget, None
+        if self.spec.pages > 0:
+            # Whole pages for the query-guided share, the rest for the verify's top-k.
+            page_slots = _page_share(budget, self.spec.pages)
+            budget = torch.clamp(budget - page_slots, min=0)
         reserved = None
         if self.spec.window > 0:
             # The window's sinks and recent slots first; the rest of the budget by score.
-            reserved = torch.floor(inputs.budget.double() * self.spec.window).long()
+            reserved = torch.floor(budget.double() * self.spec.window).long()
         k_max = inputs.largest_budget()
-        indices, counts = _topk_selection(scores, inputs.prefix_len, inputs.budget, k_max,
+        indices, counts = _topk_selection(scores, inputs.prefix_len, budget, k_max,
                                           sum_heads=self.spec.granularity == "layer",
                                           reserved=reserved)
-        return SparseSelection(indices, counts, inputs.prefix_len.clone(),
-                               layers=None if self.every_layer else tuple(self.layers))
+        top = SparseSelection(indices, counts, inputs.prefix_len.clone(),
+                              layers=None if self.every_layer else tuple(self.layers))
+        if page_slots is None:
+            return top
+        return PagedSelection(top, QuestSelection(inputs.prefix_len, page_slots))
+
+
+def spread_forward(scores: torch.Tensor, spread: int) -> torch.Tensor:
+    """scores [L', B, H_kv, S] -> the same shape, each slot's score the highest of its
+    own and the ``spread`` slots before it (a causal max-pool), so that the slots after
+    a strongly attended one rank with it."""
+    l, b, h, s = scores.shape
+    flat = scores.float().reshape(l * b * h, 1, s)
+    padded = F.pad(flat, (spread, 0), value=float("-inf"))
+    return F.max_pool1d(padded, spread + 1, stride=1).reshape(l, b, h, s)
+
+
+def _page_share(budget: torch.Tensor, share: float) -> torch.Tensor:
+    """[B] slots of ``budget`` [B] that whole Quest pages take at ``share``: rounded down
+    to pages, at least one page."""
+    pages = torch.floor(budget.double() * share / QUEST_PAGE).long()
+    return torch.clamp(pages, min=1) * QUEST_PAGE
 
 
 class StreamingDrafter(Drafter):
@@ -407,6 +438,22 @@ class QuestSelection:
         slot_pages = (torch.arange(kv_len, device=q.device) // QUEST_PAGE).clamp(max=n_pages - 1)
         mask = chosen[:, :, slot_pages]  # [B, H_kv, S]
         return mask & (torch.arange(kv_len, device=q.device) < self.prefix_len[:, None, None])
+
+
+class PagedSelection:
+    """Vegas with ``pages``: the verification top-k (an index list, fixed for the
+    iteration) and, at every draft step and layer, whole pages chosen by Quest's key
+    bounds with the draft's own query; a draft attends to the union."""
+
+    def __init__(self, top: SparseSelection, pages: QuestSelection) -> None:
+        self.top, self.pages = top, pages
+        self.tail_start = top.tail_start
+
+    def prefix_mask(self, layer: int, kv_len: int, q: torch.Tensor, k: torch.Tensor,
+                    positions: torch.Tensor) -> torch.Tensor:
+        # [B, G, S] | [B, H_kv, S] -> [B, H_kv, S]
+        return (self.top.prefix_mask(layer, kv_len)
+                | self.pages.prefix_mask(layer, kv_len, q, k, positions))
 
 
 class OracleSelection:

@@ -23,9 +23,22 @@ FORK_RULE_DRAFTERS = ("vegas", "streaming")
 FORK_BLOCK = 16
 # At least a quarter of a vegas budget stays verification-guided.
 MAX_WINDOW = 0.75
+# The largest decay of scores accumulated across iterations (``accumulate``): at 1 the
+# first verify pass's scores would never fade.
+MAX_ACCUMULATE = 0.95
+# At least a quarter of a vegas budget stays verification-guided when pages are
+# chosen by their key bounds (``pages``).
+MAX_PAGES = 0.75
 # Most draft tokens per iteration the engine accepts (the verify pass has gamma + 1 rows);
 # profiles are checked against it too.
 MAX_GAMMA = 64
+# The most slots after a high-scoring slot that ``spread`` lifts to its score: beyond a
+# draft's reach (gamma up to MAX_GAMMA) a run of slots costs budget and earns nothing.
+MAX_SPREAD = MAX_GAMMA
+
+
+# Fields ``to_dict`` leaves out at their default (0: off).
+OPTIONAL_FIELDS = ("accumulate", "pages", "spread")
 
 
 _Length = TypeVar("_Length", int, torch.Tensor)
@@ -100,6 +113,18 @@ class SpecConfig:
     window: ``vegas`` only: the share of the budget (0 to 0.75) reserved for 16 sink
         tokens and the most recent prefix tokens; the rest is the verification-guided
         top-k. 0 is the paper's rule.
+    accumulate: ``vegas`` only: the decay d (0 to 0.95) of scores accumulated across
+        iterations: a slot ranked before keeps ``d * earlier + (1 - d) * new``, a slot
+        ranked for the first time its new score. 0 (the paper's rule): the last verify
+        pass alone.
+    pages: ``vegas`` only: the share of the budget (0 to 0.75) given to whole 16-slot
+        pages chosen at every draft step and layer by Quest's key bounds with the
+        draft's own query; the rest is the verification-guided top-k (and its window).
+        Query-dependent: served by the PyTorch reference path, like ``quest``.
+    spread: ``vegas`` only: each prefix slot ranks by the highest score of itself and
+        the ``spread`` slots before it (0 to 64; 0, the paper's rule: its own). Copying
+        heads attend at the source slot of the token they copy; the next drafts need
+        the slots after it, which the verify rows had no reason to attend.
     rule: ``engine`` (this engine's rule) or ``fork`` (what the authors' vLLM fork runs;
         ``vegas`` and ``streaming`` only). ``vegas``: the first selection ranks every
         prompt slot by the prompt's last row; later ones rank the prefix and the
@@ -117,6 +142,9 @@ class SpecConfig:
     granularity: str = "layer"
     window: float = 0.0
     rule: str = "engine"
+    accumulate: float = 0.0
+    pages: float = 0.0
+    spread: int = 0
 
     def __post_init__(self) -> None:
         for name, allowed in (("drafter", DRAFTERS), ("collect", COLLECT),
@@ -131,6 +159,16 @@ class SpecConfig:
             raise VegasError(f"sparsity must be in (0, 1], got {self.sparsity}")
         if not 0.0 <= self.window <= MAX_WINDOW:
             raise VegasError(f"window must be between 0 and {MAX_WINDOW}, got {self.window}")
+        if not 0.0 <= self.accumulate <= MAX_ACCUMULATE:
+            raise VegasError(f"accumulate must be between 0 and {MAX_ACCUMULATE}, "
+                             f"got {self.accumulate}")
+        if not 0.0 <= self.pages <= MAX_PAGES:
+            raise VegasError(f"pages must be between 0 and {MAX_PAGES}, got {self.pages}")
+        if not 0 <= self.spread <= MAX_SPREAD:
+            raise VegasError(f"spread must be between 0 and {MAX_SPREAD}, got {self.spread}")
+        if (self.accumulate or self.pages or self.spread) and self.drafter != "vegas":
+            raise VegasError(f"accumulate, pages and spread are vegas options; set them to 0 "
+                             f"for drafter '{self.drafter}'")
         if self.min_tokens < 1:
             raise VegasError(f"min_tokens must be >= 1, got {self.min_tokens}")
         if self.rule == "fork" and self.drafter not in FORK_RULE_DRAFTERS:
@@ -138,4 +176,11 @@ class SpecConfig:
                              f"{' and '.join(FORK_RULE_DRAFTERS)}, not for '{self.drafter}'")
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The fields; issue 41's options only where set, so that the tuner's claim keys
+        and records of configurations without them are what they were before them (a
+        study resumes without measuring its configurations again)."""
+        out = asdict(self)
+        for name in OPTIONAL_FIELDS:
+            if out[name] == 0:
+                del out[name]
+        return out
