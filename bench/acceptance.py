@@ -46,9 +46,9 @@ from vegas_core import SpecConfig, VegasError, generate, load_model  # noqa: E40
 from vegas_core.spec_config import (DRAFTERS, FORK_RULE_DRAFTERS, RULES, SCORES,  # noqa: E402
                                     draft_budget)
 from vegas_tune.datasets import embedded_prompts  # noqa: E402
+from bench.bench_args import add_model_args, add_output_args, add_span_args  # noqa: E402
 from bench.spec_options import parse_config  # noqa: E402
-from vegas_tune.spans import (DEFAULT_SPAN_TOKENS, SPAN_WARMUP_ITERATIONS, SpanLayout,  # noqa: E402
-                              span_rows)
+from vegas_tune.spans import SpanLayout, span_rows  # noqa: E402
 
 
 def hardware() -> str:
@@ -236,9 +236,7 @@ def summarize(rows: list[dict], args, seconds: float) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="float32")
+    add_model_args(p, dtype="float32")
     p.add_argument("--datasets", nargs="+", default=["code", "prose", "retrieval"])
     p.add_argument("--ctx", nargs="+", type=int, default=[4096])
     p.add_argument("--sparsity", nargs="+", type=float, default=[0.05])
@@ -255,20 +253,12 @@ def main() -> None:
     p.add_argument("--min-tokens", type=int, default=64)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--num-prompts", type=int, default=2)
-    p.add_argument("--spans", type=int, default=0,
-                   help="long generations: decode this many spans spread over "
-                        "--max-new-tokens instead of every token (0: every token)")
-    p.add_argument("--span-tokens", type=int, default=DEFAULT_SPAN_TOKENS,
-                   help="tokens each span decodes")
-    p.add_argument("--span-warmup", type=int, default=SPAN_WARMUP_ITERATIONS,
-                   help="iterations each span decodes before it is timed and counted")
+    add_span_args(p, "long generations: decode this many spans spread over "
+                     "--max-new-tokens instead of every token (0: every token)")
     p.add_argument("--full", action="store_true",
                    help="with --spans, also decode every token with each drafter: the "
                         "spans' error")
-    p.add_argument("--from-json", type=Path, default=None,
-                   help="summarize rows measured earlier (e.g. by a run that was cut short)")
-    p.add_argument("--out", default="runs/acceptance",
-                   help="path without suffix: writes OUT.md and OUT.json")
+    add_output_args(p, "runs/acceptance", "summarize rows measured earlier (e.g. by a run that was cut short)")
     args = p.parse_args()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -78,8 +78,9 @@ from vegas_core.prefill import prefill  # noqa: E402
 from vegas_core.spec_config import COLLECT, DRAFTERS, GRANULARITIES  # noqa: E402
 from vegas_tune.datasets import EMBEDDED_DATASETS, load_prompts  # noqa: E402
 from vegas_tune.measure import Measurer, Workload  # noqa: E402
-from vegas_tune.spans import (DEFAULT_SPAN_TOKENS, SPAN_WARMUP_ITERATIONS, SpanLayout,  # noqa: E402
-                              prompts_for_rows, reference_continuations, span_rows)
+from vegas_tune.spans import (SpanLayout, prompts_for_rows, reference_continuations,  # noqa: E402
+                              span_rows)
+from bench.bench_args import add_model_args, add_output_args, add_span_args  # noqa: E402
 
 T0 = time.perf_counter()
 
@@ -571,9 +572,7 @@ def run(args, out: Path) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="bfloat16")
+    add_model_args(p, dtype="bfloat16")
     p.add_argument("--dataset", default="mixed", choices=EMBEDDED_DATASETS)
     p.add_argument("--ctx", type=int, default=8000, help="prompt tokens per sequence")
     p.add_argument("--batch", nargs="+", type=int, default=[1, 16])
@@ -591,13 +590,8 @@ def main() -> None:
                    help="vegas: one set per layer or per KV head")
     p.add_argument("--num-prompts", type=int, default=None,
                    help="distinct prompts, repeated to fill each batch (default: the batch size)")
-    p.add_argument("--spans", type=int, default=0,
-                   help="long generations: rows decode spans at this many depths of "
-                        "--max-new-tokens instead of every token (0: every token)")
-    p.add_argument("--span-tokens", type=int, default=DEFAULT_SPAN_TOKENS,
-                   help="tokens each span decodes")
-    p.add_argument("--span-warmup", type=int, default=SPAN_WARMUP_ITERATIONS,
-                   help="iterations each span decodes before it is timed and counted")
+    add_span_args(p, "long generations: rows decode spans at this many depths of "
+                     "--max-new-tokens instead of every token (0: every token)")
     p.add_argument("--warmup-tokens", type=int, default=8,
                    help="new tokens of the untimed warm-up generate per (batch, method)")
     p.add_argument("--compare-tuner", action="store_true",
@@ -606,10 +600,7 @@ def main() -> None:
                    help="top-2 margins for every vanilla sequence, only diverging ones, or none")
     p.add_argument("--tie-margin", type=float, default=0.25,
                    help="a top-2 margin at or below this (logits) counts as a near-tie")
-    p.add_argument("--from-json", type=Path, default=None,
-                   help="summarize rows measured earlier (e.g. by a run that was cut short)")
-    p.add_argument("--out", default="runs/end-to-end",
-                   help="path without suffix: writes OUT.md and OUT.json")
+    add_output_args(p, "runs/end-to-end", "summarize rows measured earlier (e.g. by a run that was cut short)")
     args = p.parse_args()
     if min(args.batch) < 1:
         fail("batch sizes must be >= 1")

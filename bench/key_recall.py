@@ -41,6 +41,7 @@ from vegas_core.prefill import PrefixCache  # noqa: E402
 from vegas_core.selection import STREAMING_SINKS  # noqa: E402
 from vegas_tune.datasets import embedded_prompts  # noqa: E402
 from bench.acceptance import hardware, with_ext, write_atomic  # noqa: E402
+from bench.bench_args import add_model_args, add_output_args  # noqa: E402
 from bench.spec_options import parse_config  # noqa: E402
 
 # The prefix slots just before the tail that count as "recent": about the window a
@@ -198,9 +199,7 @@ def summarize(rows: list[dict], args, seconds: float) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="float32")
+    add_model_args(p, dtype="float32")
     p.add_argument("--datasets", nargs="+", default=["code", "prose", "retrieval"])
     p.add_argument("--ctx", nargs="+", type=int, default=[2048])
     p.add_argument("--sparsity", type=float, default=0.05)
@@ -212,10 +211,7 @@ def main() -> None:
                    help="DRAFTER or DRAFTER:name=value,... (SpecConfig's options)")
     p.add_argument("--per-layer-max", type=int, default=6,
                    help="list the captured mass per layer when at most this many select")
-    p.add_argument("--from-json", type=Path, default=None,
-                   help="summarize rows measured earlier")
-    p.add_argument("--out", default="runs/key-recall",
-                   help="path without suffix: writes OUT.md and OUT.json")
+    add_output_args(p, "runs/key-recall", "summarize rows measured earlier")
     args = p.parse_args()
     out = Path(args.out)
     t = time.perf_counter()

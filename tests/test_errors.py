@@ -323,6 +323,16 @@ def bad_datasets(tmp_path):
     return dict(no_column=no_column, latin1=latin1, short=short, corrupt=corrupt)
 
 
+def assert_refused_leaving_nothing(argv, tmp_path, monkeypatch, capsys, *fragments):
+    """``vegas-tune tune argv``, run in ``tmp_path``, exits 2 with one line holding
+    ``fragments`` and leaves the folder as it was."""
+    monkeypatch.chdir(tmp_path)
+    before = files_under(tmp_path)
+    code, err = tune(argv, capsys)
+    assert_only_line(code, err, *fragments)
+    assert files_under(tmp_path) == before
+
+
 @pytest.mark.parametrize("case, fragment", [
     ("no_column", "has no 'text' or 'prompt' column (columns: body)"),
     ("latin1", "cannot read dataset file"),
@@ -332,12 +342,9 @@ def bad_datasets(tmp_path):
 def test_dataset_contents_are_refused_before_loading_and_leave_no_file(
         case, fragment, bad_datasets, no_weights, tmp_path, monkeypatch, capsys):
     # No --out: the default profile folder (profiles/<model>/) must not appear either.
-    monkeypatch.chdir(tmp_path)
-    before = files_under(tmp_path)
-    code, err = tune(["--dataset", str(bad_datasets[case]), "--ctx", "512", "--device", "cpu"],
-                     capsys)
-    assert_only_line(code, err, fragment)
-    assert files_under(tmp_path) == before
+    assert_refused_leaving_nothing(
+        ["--dataset", str(bad_datasets[case]), "--ctx", "512", "--device", "cpu"],
+        tmp_path, monkeypatch, capsys, fragment)
 
 
 @pytest.mark.parametrize("argv, fragments", [
@@ -348,10 +355,9 @@ def test_dataset_contents_are_refused_before_loading_and_leave_no_file(
 ])
 def test_context_beyond_a_gguf_models_positions_is_refused_from_its_header(
         argv, fragments, no_weights, tmp_path, monkeypatch, capsys):
-    monkeypatch.chdir(tmp_path)
-    code, err = tune([*argv, "--device", "cpu"], capsys)
-    assert_only_line(code, err, *fragments)
     assert files_under(tmp_path) == set()
+    assert_refused_leaving_nothing([*argv, "--device", "cpu"], tmp_path, monkeypatch, capsys,
+                                   *fragments)
 
 
 @pytest.mark.parametrize("case, fragment", [
@@ -361,12 +367,10 @@ def test_context_beyond_a_gguf_models_positions_is_refused_from_its_header(
 ])
 def test_bad_model_file_is_refused_before_loading_and_leaves_no_file(
         case, fragment, bad_models, no_weights, tmp_path, monkeypatch, capsys):
-    monkeypatch.chdir(tmp_path)
-    before = files_under(tmp_path)
-    code, err = tune(["--model", str(bad_models[case]), "--ctx", "512", "--device", "cpu",
-                      "--out", str(tmp_path / "out" / "p.yaml")], capsys)
-    assert_only_line(code, err, "--model", fragment)
-    assert files_under(tmp_path) == before
+    assert_refused_leaving_nothing(
+        ["--model", str(bad_models[case]), "--ctx", "512", "--device", "cpu",
+         "--out", str(tmp_path / "out" / "p.yaml")],
+        tmp_path, monkeypatch, capsys, "--model", fragment)
 
 
 def test_a_run_refused_after_making_its_journal_removes_it(monkeypatch, tmp_path, capsys):
