@@ -7,11 +7,13 @@ import json
 import math
 
 import pytest
+import torch
 
 from tests.test_tune_cli import fake_measurement, run
 from vegas_core.errors import VegasError
 from vegas_tune.grid import (GridResult, compare, grid_points, parse_gammas, partial_path,
                              run_grid)
+from vegas_tune.measure import Measurer
 
 POINTS = grid_points("vllm", (128, 256), (4, 5, 6))  # 2 selections x 2 budgets x 3 gammas
 PREFIX = 1000
@@ -30,12 +32,22 @@ class FakeMeasurer:
     """Measures instantly; ``vanilla`` gives the vanilla runs' throughputs in turn, and
     the call numbered ``stop_at`` raises KeyboardInterrupt."""
 
-    def __init__(self, vanilla=None, stop_at=None):
+    def __init__(self, vanilla=None, stop_at=None, out_of_memory_at=None):
         self.calls, self.vanilla, self.stop_at = [], list(vanilla or []), stop_at
+        # The call numbered ``out_of_memory_at`` runs out of memory while graphs are kept.
+        self.out_of_memory_at, self.graphs_kept = out_of_memory_at, True
+
+    measure_freeing_graphs = Measurer.measure_freeing_graphs
+
+    def forget_kept_graphs(self):
+        kept, self.graphs_kept = self.graphs_kept, False
+        return kept
 
     def measure(self, spec):
         if self.stop_at is not None and len(self.calls) == self.stop_at:
             raise KeyboardInterrupt
+        if len(self.calls) == self.out_of_memory_at and self.graphs_kept:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 576.00 MiB")
         self.calls.append(spec)
         tokens = (self.vanilla.pop(0) if self.vanilla else 100.0) if spec is None else rate(spec)
         return fake_measurement(tokens, gamma=spec.gamma if spec else 0)
@@ -70,6 +82,17 @@ def test_each_point_once_over_the_vanilla_runs_on_either_side():
     # not the one of the highest raw throughput (256 slots, gamma 6, in later stretches).
     best = result.best()
     assert (best["drafter"], best["budget"], best["gamma"]) == ("vegas", 256, 5)
+
+
+def test_a_point_out_of_memory_frees_the_kept_graphs_and_is_measured_again():
+    measurer = FakeMeasurer(out_of_memory_at=3)
+    result = run_grid(measurer, POINTS, PREFIX, vanilla_every=5)
+    assert len(result.rows) == len(POINTS) and not measurer.graphs_kept
+    # Out of memory again with nothing left to free: the error stands.
+    measurer = FakeMeasurer(out_of_memory_at=3)
+    measurer.forget_kept_graphs = lambda: False
+    with pytest.raises(torch.OutOfMemoryError):
+        run_grid(measurer, POINTS, PREFIX, vanilla_every=5)
 
 
 def test_a_stopped_pass_resumes_keeping_every_point_a_vanilla_run_closed():

@@ -96,7 +96,7 @@ def run_grid(measurer: Measurer, points: list[Point], longest_prefix: int,
     first = len(rows)
 
     def measure_vanilla(index: int) -> None:
-        m = measurer.measure(None)
+        m = measurer.measure_freeing_graphs(None)
         vanilla.append({"before_point": index, "tokens_per_second": m.tokens_per_second,
                         "wall_seconds": m.wall_seconds})
 
@@ -110,7 +110,7 @@ def run_grid(measurer: Measurer, points: list[Point], longest_prefix: int,
                 checkpoint(GridResult(list(rows), list(vanilla), elapsed()))
         point = points[index]
         spec = point.spec(longest_prefix)
-        m = measurer.measure(spec)
+        m = measurer.measure_freeing_graphs(spec)
         rows.append({**_point_row(point, spec), "tokens_per_second": m.tokens_per_second,
                      "mean_accepted_length": m.mean_accepted_length,
                      "selection_overhead": m.selection_overhead, "wall_seconds": m.wall_seconds})

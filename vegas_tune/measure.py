@@ -153,6 +153,22 @@ class Measurer:
         were kept."""
         return forget_kept_graphs(self.model.net)
 
+    def measure_freeing_graphs(self, spec: SpecConfig | None) -> Measurement:
+        """``measure``, run once more after ``forget_kept_graphs`` when it runs out of
+        memory: where the cache fills most of the GPU, the graphs kept for the
+        configurations measured before (one set per gamma and budget) are what a new one
+        lacks room for. Out of memory again (or with nothing to free), the error stands."""
+        try:
+            return self.measure(spec)
+        except (RuntimeError, MemoryError) as e:
+            if not out_of_memory(e) or not self.forget_kept_graphs():
+                raise
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        log.info("out of memory: freed the graphs kept for earlier configurations, "
+                 "measuring again")
+        return self.measure(spec)
+
     def measure(self, spec: SpecConfig | None, report: BatchReport | None = None) -> Measurement:
         w = self.workload
         start = time.perf_counter()
@@ -244,7 +260,7 @@ def race(measurer: Measurer, configs: dict[str, SpecConfig | None], max_rounds: 
     for done in range(1, max_rounds + 1):
         first = (done - 1) % len(live)
         for name in live[first:] + live[:first]:
-            samples[name].append(measurer.measure(configs[name]))
+            samples[name].append(measurer.measure_freeing_graphs(configs[name]))
         keep = decide(done, samples)
         live = [name for name in names if name in keep]
         if not live:
