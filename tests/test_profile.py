@@ -13,6 +13,7 @@ import yaml
 
 from vegas_core.errors import VegasError
 from vegas_tune.export import check_target, recommendation_note, render_export
+from vegas_core.schedule import context_bands
 from vegas_tune.profile import build_exports
 from vegas_tune.serving import (VLLM_BATCH_TABLE_KEY, VLLM_MEASURED, VLLM_NOTE, VLLM_TARGET,
                                 check_vllm_batch_table, engine_settings, vllm_note,
@@ -1209,3 +1210,54 @@ def test_model_path_records_names_and_paths_relative_to_the_working_folder(tmp_p
     assert model_path_record("models", Path("models")) == "models"
     assert model_path_record(str(outside), outside) == "../elsewhere.gguf"
     assert model_path_record("dummy:qwen3-8b", None) is None
+
+
+# --- tuned at several contexts ----------------------------------------------------------
+
+def several_contexts_dict() -> dict:
+    """The sample profile tuned at 4096 and 8192 tokens: the same entries in both bands."""
+    data = sample_profile_dict()
+    short, long = copy.deepcopy(data["schedule"]), data["schedule"]
+    for (low, high), entries, ctx in zip(context_bands([4096, 8192]), (short, long),
+                                         (4096, 8192)):
+        for entry in entries:
+            entry.update(ctx_min=low, ctx_max=high, ctx=ctx)
+    data["schedule"] = short + long
+    data["workload"]["contexts"] = [4096, 8192]
+    return data
+
+
+def test_a_profile_of_several_contexts_picks_by_context_and_keeps_its_bands():
+    profile = profile_from_dict(several_contexts_dict())
+    assert profile.contexts == [4096, 8192]
+    assert (profile.entry_for(1, 100).ctx, profile.entry_for(64, 100).ctx) == (4096, 4096)
+    assert profile.entry_for(64, 6000).ctx == 8192 and profile.entry_for(64).ctx == 8192
+    assert profile.entry_for(100, 10 ** 6) is profile.headline
+    assert profile.spec_schedule().has_contexts
+    assert profile.spec_schedule().for_batch(64, 100) == profile.entry_for(64, 100).config.spec()
+    dumped = profile_to_dict(profile)
+    assert [e["ctx_max"] for e in dumped["schedule"]] == [5792, 5792, 8192, 8192]
+    assert profile_from_dict(dumped) == profile
+    # One context: no context keys written, as before they existed.
+    plain = profile_to_dict(sample_profile())
+    assert "contexts" not in plain["workload"]
+    assert not any(key in plain["schedule"][0] for key in ("ctx_min", "ctx_max", "ctx"))
+
+
+@pytest.mark.parametrize("change, fragment", [
+    (lambda d: d["workload"].pop("contexts"), "workload.contexts: missing"),
+    (lambda d: d["workload"].update(contexts=[8192, 4096]), "expected ascending contexts"),
+    (lambda d: [e.update(ctx_max=9000) for e in d["schedule"][2:]],
+     "expected 8192: the last band ends"),
+    (lambda d: d["schedule"][1].pop("ctx"), "schedule[1].ctx: missing"),
+    (lambda d: d["schedule"][2].update(ctx_min=5000), "schedule[2].ctx_min: 5000; expected"),
+    (lambda d: d.setdefault("not_tuned", []).append(
+        {"batch_size": 128, "ctx": 4096, "reason": "out of memory"}),
+     "account for [1, 64, 128] at ctx 4096"),
+])
+def test_bad_context_bands_name_the_field(change, fragment):
+    data = several_contexts_dict()
+    change(data)
+    with pytest.raises(VegasError) as error:
+        profile_from_dict(data, "p.yaml")
+    assert fragment in str(error.value) and "\n" not in str(error.value), str(error.value)

@@ -13,7 +13,7 @@ from vegas_core import (GenerationStats, SpecConfig, SpecSchedule, SpeculativeSt
                         generate)
 from vegas_core.cli import app, run_app
 from vegas_core.errors import VegasError
-from vegas_core.schedule import ScheduleRange
+from vegas_core.schedule import ScheduleRange, context_bands
 from tests.test_engine import tiny_model
 from tests.test_profile import TUNED, sample_profile, sample_profile_dict
 
@@ -242,3 +242,52 @@ def test_cli_bad_profiles(tmp_path, capsys):
     bad = write_profile_data(tmp_path / "bad.yaml", data)
     code, out = run([*GENERATE, "--profile", str(bad)], capsys)
     assert_only_error_line(code, out.err, "bad.yaml: schedule[1].config: gamma must be")
+
+
+# ---- context ranges (a profile tuned at several contexts) ------------------------------
+
+def banded(*bands):
+    """Entries of a schedule of several context bands: (ctx_min, ctx_max, entries)."""
+    return tuple(ScheduleRange(*entry, low, high) for low, high, entries in bands
+                 for entry in entries)
+
+
+SHORT_BAND = (1, 8192, ((1, 15, None), (16, 16, FAST)))
+LONG_BAND = (8193, 32768, ((1, 3, None), (4, 16, SLOW)))
+
+
+def test_context_bands_meet_at_the_geometric_mean():
+    assert context_bands([4096, 16384, 32768]) == [(1, 8192), (8193, 23170), (23171, 32768)]
+    assert context_bands([8000]) == [(1, 8000)]
+
+
+def test_entry_for_picks_the_band_of_the_context_then_the_batch():
+    schedule = SpecSchedule(banded(SHORT_BAND, LONG_BAND))
+    assert schedule.has_contexts
+    assert schedule.for_batch(8, 100) is None and schedule.for_batch(16, 8192) == FAST
+    assert schedule.for_batch(8, 8193) == SLOW and schedule.for_batch(2, 20000) is None
+    # Above the last band and above a band's last range: the last entries.
+    assert schedule.for_batch(64, 100) == FAST and schedule.for_batch(64, 10 ** 6) == SLOW
+    # No context given: the longest context's band.
+    assert schedule.for_batch(8) == SLOW
+    assert not SpecSchedule(((1, 4, None),)).has_contexts
+
+
+@pytest.mark.parametrize("bands, fragment", [
+    ((SHORT_BAND, (8194, 32768, ((1, 16, SLOW),))),
+     "entries[2].ctx_min: 8194; expected 8193"),
+    ((SHORT_BAND, (8193, 32768, ((2, 16, SLOW),))), "entries[2].batch_min: 2; expected 1"),
+    (((2, 100, ((1, 4, None),)),), "entries[0].ctx_min: 2; expected 1"),
+])
+def test_bad_context_bands_are_refused_with_one_line(bands, fragment):
+    with pytest.raises(VegasError) as error:
+        SpecSchedule(banded(*bands))
+    one_line(error, fragment)
+
+
+def test_a_profile_entry_names_both_ends_of_its_context_range_or_neither():
+    data = sample_profile_dict()
+    data["schedule"][0]["ctx_min"] = 1
+    with pytest.raises(VegasError) as error:
+        SpecSchedule.from_profile_data(data, "p.yaml")
+    one_line(error, "p.yaml: schedule[0].ctx_max: missing")

@@ -43,7 +43,7 @@ from vegas_core.errors import VegasError
 from vegas_core.yamlio import MAX_YAML_BYTES, read_yaml, read_yaml_file  # noqa: F401 (public here too)
 from vegas_core.spec_config import (COLLECT, DRAFTERS, GRANULARITIES, MAX_GAMMA, MAX_WINDOW,
                                     RULES, SCORES, SpecConfig)
-from vegas_core.schedule import VANILLA, SpecSchedule  # VANILLA: public here too
+from vegas_core.schedule import VANILLA, SpecSchedule, check_schedule_grid  # VANILLA: public here too
 from vegas_tune.options import TARGETS
 from vegas_tune.serving import (VLLM_SPECULATIVE_KEY, VLLM_TARGET, engine_settings,
                                 speculative_json, vllm_note, vllm_serve_config,
@@ -216,6 +216,9 @@ class Workload(_Strict):
     spans: int | None = Field(default=None, ge=1)
     span_tokens: int | None = Field(default=None, ge=1)
     span_warmup_iterations: int | None = Field(default=None, ge=0)
+    # Tuned at several contexts (``--ctx 4k,16k,32k``): every one, ascending; ``ctx`` is
+    # the largest (the headline's). Absent: tuned at ``ctx`` alone.
+    contexts: list[Annotated[int, Field(ge=1)]] | None = None
 
 
 class Hardware(_Strict):
@@ -324,6 +327,12 @@ class ScheduleEntry(_Strict):
     batch_min: int = Field(ge=1)
     batch_max: int = Field(ge=1)
     batch_size: int = Field(ge=1, description="the batch size the results were measured at")
+    # A profile tuned at several contexts: this entry runs at contexts ctx_min to ctx_max
+    # (tokens per live sequence), measured at ctx. Absent: at every context.
+    ctx_min: int | None = Field(default=None, ge=1)
+    ctx_max: int | None = Field(default=None, ge=1)
+    ctx: int | None = Field(default=None, ge=1, description="the context the results were "
+                                                             "measured at")
     config: Tuned | Literal["vanilla"]
     measured: Tuned | None = None
     results: Results
@@ -340,6 +349,14 @@ class ScheduleEntry(_Strict):
             raise _FieldProblem(("batch_size",),
                                 f"{self.batch_size} lies outside this entry's range "
                                 f"[{self.batch_min}, {self.batch_max}]")
+        contexts = (self.ctx_min, self.ctx_max, self.ctx)
+        if None in contexts and contexts != (None, None, None):
+            missing = ("ctx_min", "ctx_max", "ctx")[contexts.index(None)]
+            raise _FieldProblem((missing,), "missing: an entry names its context range and "
+                                            "measured context, or none of them")
+        if self.ctx is not None and not self.ctx_min <= self.ctx <= self.ctx_max:
+            raise _FieldProblem(("ctx",), f"{self.ctx} lies outside this entry's context range "
+                                          f"[{self.ctx_min}, {self.ctx_max}]")
         if self.config == VANILLA and self.measured is None:
             raise _FieldProblem(("measured",), "missing: a vanilla entry names the speculative "
                                                "configuration its results describe")
@@ -359,6 +376,7 @@ class NotTuned(_Strict):
     """A requested batch size with no schedule entry, and why (e.g. out of memory)."""
 
     batch_size: int = Field(ge=1)
+    ctx: int | None = Field(default=None, ge=1, description="where tuned at several contexts")
     reason: str
 
 
@@ -493,13 +511,29 @@ class Profile(_Strict):
         """The schedule's entry for the largest tuned batch size."""
         return self.schedule[-1]
 
-    def entry_for(self, batch_size: int) -> ScheduleEntry:
-        """The schedule entry whose range holds ``batch_size``; above the last range, the
-        last entry (the largest size measured)."""
-        for entry in self.schedule:
+    @property
+    def contexts(self) -> list[int]:
+        """Every context tuned, ascending (one, unless tuned at several)."""
+        return self.workload.contexts or [self.workload.ctx]
+
+    def entries_at(self, ctx: int | None = None) -> list[ScheduleEntry]:
+        """The entries of the band of contexts that holds ``ctx`` (None: the longest
+        context's band; above the last band, the last); all of them where the profile
+        was tuned at one context."""
+        last = self.schedule[-1]
+        band = [e for e in self.schedule if e.ctx_min is None
+                or (ctx is not None and e.ctx_min <= ctx <= e.ctx_max)]
+        return band or [e for e in self.schedule if e.ctx == last.ctx]
+
+    def entry_for(self, batch_size: int, ctx: int | None = None) -> ScheduleEntry:
+        """The schedule entry whose ranges hold ``batch_size`` and ``ctx`` (None: the
+        longest context tuned); above a band's last range, its last entry (the largest
+        size measured)."""
+        band = self.entries_at(ctx)
+        for entry in band:
             if entry.batch_min <= batch_size <= entry.batch_max:
                 return entry
-        return self.schedule[-1]
+        return band[-1]
 
     @model_validator(mode="after")
     def _sections_agree(self) -> Profile:
@@ -520,11 +554,15 @@ class Profile(_Strict):
         sizes = self.workload.batch_sizes
         if sizes != sorted(set(sizes)):
             raise _FieldProblem(("workload", "batch_sizes"), "must be ascending, without repeats")
-        accounted = {e.batch_size for e in self.schedule} | {n.batch_size for n in self.not_tuned}
-        if accounted != set(sizes):
-            raise _FieldProblem(("workload", "batch_sizes"),
-                                f"{sizes}, but the schedule and not_tuned account for "
-                                f"{sorted(accounted)}")
+        _check_contexts(self)
+        for ctx in self.contexts:
+            accounted = ({e.batch_size for e in self.schedule if e.ctx in (None, ctx)}
+                         | {n.batch_size for n in self.not_tuned if n.ctx in (None, ctx)})
+            if accounted != set(sizes):
+                at = f" at ctx {ctx}" if self.workload.contexts else ""
+                raise _FieldProblem(("workload", "batch_sizes"),
+                                    f"{sizes}, but the schedule and not_tuned account for "
+                                    f"{sorted(accounted)}{at}")
         if self.recommended != (head.config != VANILLA):
             raise _FieldProblem(
                 ("recommended",),
@@ -564,21 +602,60 @@ def build_exports(model_id: str, tuned: Tuned, max_num_seqs: int, max_model_len:
 
 
 def _check_schedule(schedule: list[ScheduleEntry]) -> None:
-    """Raise ``_FieldProblem`` unless the entries' ranges start at 1 and are contiguous,
-    and the last ends at the size it was measured at (the sizes above it use it too,
+    """Raise ``_FieldProblem`` unless the entries' ranges start at 1 and are contiguous
+    (batch sizes within each band of contexts, and the bands), and each band's last
+    range ends at the size it was measured at (the sizes above it use it too,
     ``Profile.entry_for``)."""
-    expected = 1
+    try:
+        check_schedule_grid([(e.batch_min, e.batch_max, e.ctx_min or 1, e.ctx_max)
+                             for e in schedule], "schedule")
+    except VegasError as error:
+        # "schedule[2].batch_min: 5; expected 1: ..." -> the field's path and the problem.
+        where, problem = str(error).split(": ", 1)
+        index = int(where[where.index("[") + 1:where.index("]")])
+        raise _FieldProblem(("schedule", index, where.rsplit(".", 1)[1]), problem) from None
     for index, entry in enumerate(schedule):
-        if entry.batch_min != expected:
-            raise _FieldProblem(("schedule", index, "batch_min"),
-                                f"{entry.batch_min}; expected {expected}: the ranges start at 1 "
-                                "and follow each other without gaps or overlaps")
-        expected = entry.batch_max + 1
+        following = schedule[index + 1] if index + 1 < len(schedule) else None
+        if following is None or following.ctx != entry.ctx:  # a band's last entry
+            if entry.batch_max != entry.batch_size:
+                raise _FieldProblem(("schedule", index, "batch_max"),
+                                    f"{entry.batch_max}; expected {entry.batch_size}: the last "
+                                    "range ends at the largest tuned size (larger batches use "
+                                    "it too)")
+
+
+def _check_contexts(profile: Profile) -> None:
+    """A profile tuned at several contexts names them (``workload.contexts``, ascending,
+    the last ``workload.ctx``), and its schedule's bands are theirs, in order, the last
+    ending at the longest; one tuned at one context names none."""
+    contexts, schedule = profile.workload.contexts, profile.schedule
+    banded = schedule[0].ctx is not None
+    if contexts is None:
+        if banded:
+            raise _FieldProblem(("workload", "contexts"), "missing: the schedule names context "
+                                                          "ranges; list the contexts tuned")
+        return
+    if contexts != sorted(set(contexts)) or contexts[-1] != profile.workload.ctx:
+        raise _FieldProblem(("workload", "contexts"),
+                            f"{contexts}: expected ascending contexts without repeats, the last "
+                            f"the headline's ctx {profile.workload.ctx}")
+    if not banded:
+        raise _FieldProblem(("schedule", 0, "ctx"), "missing: workload.contexts lists several "
+                                                     "contexts; each entry names its own")
+    bands = list(dict.fromkeys(e.ctx for e in schedule))
+    if bands != contexts:
+        raise _FieldProblem(("schedule",), f"its entries are measured at contexts {bands}, in "
+                                           f"that order; workload.contexts lists {contexts}")
     last = schedule[-1]
-    if last.batch_max != last.batch_size:
-        raise _FieldProblem(("schedule", len(schedule) - 1, "batch_max"),
-                            f"{last.batch_max}; expected {last.batch_size}: the last range "
-                            "ends at the largest tuned size (larger batches use it too)")
+    if last.ctx_max != last.ctx:
+        raise _FieldProblem(("schedule", len(schedule) - 1, "ctx_max"),
+                            f"{last.ctx_max}; expected {last.ctx}: the last band ends at the "
+                            "longest context tuned (longer ones use it too)")
+    for index, entry in enumerate(schedule):
+        if entry.ctx is None:
+            raise _FieldProblem(("schedule", index, "ctx"), "missing: every entry of a "
+                                                             "profile tuned at several "
+                                                             "contexts names its own")
 
 
 def _mismatch(found: dict[str, Any], expected: dict[str, Any],
@@ -796,14 +873,20 @@ def _in_schema_order(data: dict) -> dict:
 # Workload keys written only where a run used them (long generations over spans), so a
 # profile that decoded every token reads as it did before they existed.
 SPAN_WORKLOAD_KEYS = ("spans", "span_tokens", "span_warmup_iterations")
+CONTEXT_ENTRY_KEYS = ("ctx_min", "ctx_max", "ctx")
 
 
 def profile_to_dict(profile: Profile) -> dict[str, Any]:
     """The profile as plain Python data (dicts, lists, scalars), keys in schema order."""
     data = profile.model_dump(mode="python")
-    for key in SPAN_WORKLOAD_KEYS:
+    for key in (*SPAN_WORKLOAD_KEYS, "contexts"):
         if data["workload"].get(key) is None:
             data["workload"].pop(key, None)
+    # Context keys only in a profile tuned at several contexts.
+    for item in (*data["schedule"], *data["not_tuned"]):
+        for key in CONTEXT_ENTRY_KEYS:
+            if item.get(key, 0) is None:
+                item.pop(key)
     return data
 
 
