@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import os
 import pathlib
 
 import pytest
@@ -145,3 +146,13 @@ def test_forgetting_kept_graphs_keeps_the_cache():
         assert graphs._workspaces[net] is space
     finally:
         graphs.release_workspace(net)
+
+
+def test_the_tools_ask_for_expandable_segments_unless_the_user_set_allocator_options(
+        monkeypatch):
+    monkeypatch.delenv(graphs.ALLOCATOR_ENV, raising=False)
+    graphs.prefer_expandable_segments()
+    assert os.environ[graphs.ALLOCATOR_ENV] == graphs.EXPANDABLE_SEGMENTS
+    monkeypatch.setenv(graphs.ALLOCATOR_ENV, "max_split_size_mb:512")
+    graphs.prefer_expandable_segments()
+    assert os.environ[graphs.ALLOCATOR_ENV] == "max_split_size_mb:512"

@@ -15,6 +15,7 @@ from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, T
 
 from vegas_core.errors import VegasError
 from vegas_core.generation import generate as run_generate
+from vegas_core.graphs import prefer_expandable_segments
 from vegas_core.loading import load_model
 from vegas_core.schedule import SpecSchedule
 from vegas_core.spec_config import MAX_GAMMA, SpecConfig
@@ -253,6 +254,7 @@ def read_prompt_file(path: Path) -> str:
 
 
 def main() -> None:
+    prefer_expandable_segments()
     sys.exit(run_app(app, prog_name="vegas"))
 
 

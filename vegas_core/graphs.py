@@ -25,6 +25,24 @@ from vegas_core.attention import AttentionMeta, SparseSelection
 from vegas_core.scores import ScoreCollector
 from vegas_kernels.select_slots import aligned_slots
 
+# PyTorch's CUDA allocator options, and the one the command-line tools ask for.
+ALLOCATOR_ENV = "PYTORCH_CUDA_ALLOC_CONF"
+EXPANDABLE_SEGMENTS = "expandable_segments:True"
+
+
+def prefer_expandable_segments() -> None:
+    """Ask PyTorch's CUDA allocator for expandable segments, unless its options are set.
+
+    Why: a model's workspace keeps one set of graphs and static buffers per gamma and
+    budget measured, beside a KV cache that may fill most of the GPU. With fixed-size
+    segments, Gemma3-270M at 32k context and batch 128 on an 80 GB H100 ran out of memory
+    even after the kept graphs were freed, and its speculative runs measured about 10%
+    slower in that process than in one with expandable segments (docs/results/
+    tuner-regret.md). Takes effect only before the process's first CUDA allocation: the
+    tools call it before loading anything."""
+    os.environ.setdefault(ALLOCATOR_ENV, EXPANDABLE_SEGMENTS)
+
+
 # VEGAS_CUDA_GRAPHS: "auto" (capture on CUDA), "0" (eager steps with host-sized
 # shapes, for debugging and comparison), or "static" (the static-buffer steps, run
 # eagerly on any device: how CPU tests exercise what the GPU captures).

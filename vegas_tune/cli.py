@@ -29,6 +29,7 @@ from rich.console import Console
 from vegas_core.backend import attention_backend
 from vegas_core.cli import EXIT_INTERRUPTED, run_app, show_defaults
 from vegas_core.errors import VegasError
+from vegas_core.graphs import prefer_expandable_segments
 from vegas_core.loading import load_model
 from vegas_core.loading.embedded import DEFAULT_MODEL, embedded_path
 from vegas_core.loading.memory import available_bytes, gib
@@ -784,6 +785,7 @@ def doctor(debug: bool = typer.Option(False, help="Show tracebacks.")) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    prefer_expandable_segments()
     # `vegas-tune --model X --ctx 64k` runs `tune`; --help alone shows every command.
     if not argv or (argv[0] not in SUBCOMMANDS and argv[0] not in ("--help", "-h")):
         argv = ["tune", *argv]
