@@ -310,3 +310,39 @@ def test_bench_configurations_parse_and_refuse_unknown_options():
         parse_config("vegas:decay=0.5")
     with pytest.raises(VegasError, match="accumulate"):
         parse_config("streaming:accumulate=0.5")
+
+
+def test_profiles_decode_the_same_mixed_lengths_side_by_side(tmp_path):
+    """bench/profile_compare.py: every method decodes the same prompts of lengths drawn
+    in the range, in every round; the summary reads back from its JSON."""
+    import json
+    import subprocess
+    import sys
+
+    from bench.profile_compare import prompt_lengths
+    from tests.test_profile import sample_profile_dict, several_contexts_dict
+    from vegas_tune.profile import profile_from_dict, write_profile
+
+    lengths = prompt_lengths(50, 32, 96, seed=1)
+    assert lengths == prompt_lengths(50, 32, 96, seed=1) and min(lengths) >= 32
+    assert max(lengths) <= 96 and len(set(lengths)) > 10
+    write_profile(profile_from_dict(several_contexts_dict()), tmp_path / "two.yaml")
+    write_profile(profile_from_dict(sample_profile_dict()), tmp_path / "one.yaml")
+    out = tmp_path / "cmp"
+    command = [sys.executable, str(BENCH / "profile_compare.py"), "--model", "dummy:tiny",
+               "--device", "cpu", "--dtype", "float32", "--profiles", str(tmp_path / "two.yaml"),
+               str(tmp_path / "one.yaml"), "--min-ctx", "32", "--max-ctx", "96",
+               "--batch-size", "3", "--max-new-tokens", "6", "--rounds", "2", "--out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    data = json.loads(out.with_name("cmp.json").read_text())
+    assert [list(r) for r in data["rounds"]] == [["vanilla", str(tmp_path / "two.yaml"),
+                                                  str(tmp_path / "one.yaml")]] * 2
+    table = out.with_name("cmp.md").read_text()
+    assert table.count("\n| ") == 5 and "over the first profile" in table  # head, rule, 3 rows
+    again = subprocess.run([*command[:2], "--from-json", str(out.with_name("cmp.json")),
+                            "--out", str(tmp_path / "again")], capture_output=True, text=True)
+    assert again.returncode == 0 and (tmp_path / "again.md").read_text() == table
+    refused = subprocess.run([*command[:2], "--profiles", str(tmp_path / "one.yaml"),
+                              "--rounds", "1"], capture_output=True, text=True)
+    assert refused.returncode == 2 and "--rounds must be at least 2" in refused.stderr
