@@ -169,3 +169,21 @@ def test_an_interrupted_grid_command_resumes_only_with_resume(tmp_path, monkeypa
 def test_resume_without_a_partial_pass_is_refused(tmp_path, capsys):
     code, _, err = run([*GRID, "--out", str(tmp_path / "g.json"), "--resume"], capsys)
     assert code == 2 and "no unfinished pass" in err
+
+
+def test_a_grid_out_of_memory_says_so_in_one_line_and_keeps_its_points(tmp_path, monkeypatch,
+                                                                        capsys):
+    out, calls = tmp_path / "grid.json", []
+
+    def measure(self, spec, report=None):
+        if len(calls) == 7:  # in the second stretch: the first four points are kept
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 128.00 MiB. "
+                                         "GPU 0 has a total capacity of 79.18 GiB")
+        calls.append(spec)
+        return fake_measurement(rate(spec), gamma=spec.gamma if spec else 0)
+
+    monkeypatch.setattr("vegas_tune.measure.Measurer.measure", measure)
+    code, _, err = run([*GRID, "--out", str(out)], capsys)
+    assert code == 2 and "Traceback" not in err and err.count("\n") == 1, err
+    assert "out of memory (CUDA out of memory)" in err and "--resume" in err
+    assert partial_path(out).exists() and not out.exists()

@@ -44,7 +44,7 @@ from vegas_tune.grid import (GRID_BEST, GRID_TOP, GridResult, compare as race_co
                              read_partial, regret_words, run_grid, spec_of_row, write_json,
                              write_partial)
 from vegas_tune.hardware import fingerprint
-from vegas_tune.measure import Measurer, Workload, interleave, series_attrs
+from vegas_tune.measure import Measurer, Workload, interleave, out_of_memory, series_attrs
 from vegas_tune.options import (DEFAULT_WORDS, TuneOptions, option_default, option_default_text,
                                 option_help, option_names, parse_budgets, parse_target)
 from vegas_tune.pipeline import STUDY_HARDWARE_KEYS, git_revision, settings_fingerprint
@@ -582,6 +582,17 @@ def grid(
                 log.warning("interrupted: the points finished before the last vanilla run "
                             "are kept in %s; rerun with --resume", partial)
                 raise
+            except (RuntimeError, MemoryError) as e:
+                if not out_of_memory(e):
+                    raise
+                # Out of memory even after the kept graphs were freed (run_grid retries).
+                kept = (f"the points finished before the last vanilla run are kept in "
+                        f"{partial}" if partial.exists() else "no point was finished")
+                again = ("run again with --resume once the device has the memory free, or "
+                         "start over with a lower --batch-size" if partial.exists() else
+                         "free the device's memory or lower --batch-size")
+                raise VegasError(f"out of memory ({str(e).split('. ')[0]}); {kept}: "
+                                 f"{again}") from None
     best = result.best()
     data = {"command": "vegas-tune " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
             "git_revision": git_revision(), "hardware": hardware,
