@@ -37,7 +37,8 @@ from vegas_core.spec_config import SpecConfig
 from vegas_core.yamlio import read_yaml
 from vegas_tune import pipeline
 from vegas_tune.datasets import check_dataset, load_prompts
-from vegas_tune.export import check_target, recommendation_note, render_export
+from vegas_tune.export import (check_table_options, check_target, recommendation_note,
+                               render_export)
 from vegas_tune.grid import (GRID_BEST, GRID_TOP, GridResult, compare as race_configs,
                              grid_markdown, grid_points, parse_gammas, partial_path,
                              read_partial, regret_words, run_grid, spec_of_row, write_json,
@@ -778,6 +779,7 @@ def export(profile: Path = typer.Argument(...),
     if out is not None:
         check_out(out, "--out", "the export's file name", "serve.yaml")
     p = load_profile(profile)
+    check_table_options(p, per_batch_size, context_ranges)
     target = target or p.target
     warning = check_target(p, target, force, str(profile))
     text = render_export(p, target, fmt, force=force, serve_batch=serve_batch,

@@ -133,6 +133,19 @@ def check_target(profile: Profile, target: str, force: bool, source: str) -> str
             "--force asks: the figures in the profile were not measured for this target")
 
 
+def check_table_options(profile: Profile, per_batch_size: bool, context_ranges: bool) -> None:
+    """Refuse (``VegasError``) ``context_ranges`` without ``per_batch_size`` (it shapes
+    that table), or for a profile tuned at one context (it has no context ranges)."""
+    if context_ranges and not per_batch_size:
+        raise VegasError("--context-ranges shapes vLLM's per-batch-size table: pass "
+                         "--per-batch-size too")
+    if context_ranges and profile.workload.contexts is None:
+        raise VegasError(f"--context-ranges: the profile was tuned at one context "
+                         f"({profile.workload.ctx} tokens), so it has no context ranges; "
+                         "drop --context-ranges, or re-tune at several (e.g. --ctx "
+                         "4k,16k,32k)")
+
+
 def render_export(profile: Profile, target: str, fmt: str, force: bool = False,
                   serve_batch: int | None = None, per_batch_size: bool = False,
                   context_ranges: bool = False) -> str:
@@ -155,19 +168,12 @@ def render_export(profile: Profile, target: str, fmt: str, force: bool = False,
     if fmt not in EXPORT_FORMATS:
         raise VegasError(f"unknown export format '{fmt}'; choose one of: "
                          f"{', '.join(EXPORT_FORMATS)}")
-    if context_ranges and not per_batch_size:
-        raise VegasError("--context-ranges shapes vLLM's per-batch-size table: pass "
-                         "--per-batch-size too")
+    check_table_options(profile, per_batch_size, context_ranges)
     batch, entry = served_entry(profile, serve_batch)
     if per_batch_size:
         if target != "vllm":
             raise VegasError("--per-batch-size writes vLLM's table; this engine follows "
                              "the profile's schedule itself (vegas generate --profile)")
-        if context_ranges and profile.workload.contexts is None:
-            raise VegasError(f"--context-ranges: the profile was tuned at one context "
-                             f"({profile.workload.ctx} tokens), so it has no context ranges; "
-                             "drop --context-ranges, or re-tune at several (e.g. --ctx "
-                             "4k,16k,32k)")
         return _render_batch_table(profile, fmt, batch, entry, context_ranges)
     tuned = entry.speculative if force or entry.config != VANILLA else None
     if target == "vllm":

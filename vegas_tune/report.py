@@ -338,9 +338,7 @@ def _colour_map(name: str):
     """``name``'s colour map with grey for cells with no value (a size not tuned)."""
     from matplotlib import colormaps
 
-    colours = colormaps[name].copy()
-    colours.set_bad(NOT_TUNED_COLOUR)
-    return colours
+    return colormaps[name].with_extremes(bad=NOT_TUNED_COLOUR)
 
 
 def plot_schedule_heatmap(profile: dict, path) -> Path:

@@ -31,22 +31,15 @@ def speedup_words(entry: ScheduleEntry) -> str:
     return f"{r.speedup:.2f}x [{low:.2f}, {high:.2f}]"
 
 
-def measured_within(entry: ScheduleEntry, low: int, high: int | None) -> bool:
-    """Whether ``entry`` was measured at a size of the range ``low``..``high`` (None: no
-    upper end); not where those sizes were not tuned at its context and run the entry
-    below them."""
-    return low <= entry.batch_size and (high is None or entry.batch_size <= high)
-
-
-def cell_words(entry: ScheduleEntry, low: int, high: int | None) -> str:
+def cell_words(entry: ScheduleEntry, untuned: bool) -> str:
     """One cell: ``K 6: 2.12x [2.05, 2.19]``, or ``vanilla (K 4: 0.97x [0.93, 1.01])``
-    naming the best K measured; `` (at 64)`` after it where the entry was measured
-    outside the row's range ``low``..``high`` (``measured_within``)."""
+    naming the best K measured; `` (at 8)`` after it where the row holds a size that was
+    not tuned at this context (``untuned``), which runs the entry measured at 8."""
     if entry.config == VANILLA:
         words = f"vanilla (K {entry.speculative.gamma}: {speedup_words(entry)})"
     else:
         words = f"K {entry.config.gamma}: {speedup_words(entry)}"
-    return words if measured_within(entry, low, high) else f"{words} (at {entry.batch_size})"
+    return f"{words} (at {entry.batch_size})" if untuned else words
 
 
 def batch_rows(profile: Profile) -> list[tuple[int, int | None]]:
@@ -72,12 +65,17 @@ def schedule_table_lines(profile: Profile) -> list[str]:
     rows = batch_rows(profile)
     header = ["batch"] + [context_words(band[0], index == len(bands) - 1)
                           for index, band in enumerate(bands)]
-    lines, borrowed = [header], False
+    not_tuned = [(item.batch_size, item.ctx) for item in profile.not_tuned]
+    lines, any_untuned = [header], False
     for low, high in rows:
         label = range_words(low, high if high is not None else low, high is None)
-        entries = [profile.entry_for(low, ctx) for ctx in contexts]
-        borrowed |= not all(measured_within(e, low, high) for e in entries)
-        lines.append([label] + [cell_words(e, low, high) for e in entries])
+        cells = [label]
+        for ctx in contexts:
+            untuned = any(size >= low and (high is None or size <= high) and at == ctx
+                          for size, at in not_tuned)
+            any_untuned |= untuned
+            cells.append(cell_words(profile.entry_for(low, ctx), untuned))
+        lines.append(cells)
     widths = [max(len(line[column]) for line in lines) for column in range(len(header))]
     confidence = f"{profile.results.confidence:.0%}"
     text = [f"schedule by batch size and context: K (gamma) and the speedup over vanilla "
@@ -85,7 +83,7 @@ def schedule_table_lines(profile: Profile) -> list[str]:
             "not beat vanilla"]
     text += [COLUMN_GAP.join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip()
              for line in lines]
-    if borrowed:
-        text.append("(at N): those sizes were not tuned at that context; the range measured "
-                    "at batch N runs them")
+    if any_untuned:
+        text.append("(at N): a size of the row was not tuned at that context (see not "
+                    "tuned); it runs the entry measured at batch N")
     return text
