@@ -5,6 +5,7 @@ the context form of vLLM's RFC 48627, which follows that form's rules."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -108,3 +109,20 @@ def test_context_table_rules_accept_bands_with_their_own_ranges():
 def test_context_table_rules(table, problem):
     with pytest.raises(ValueError, match=problem):
         check_vllm_context_table(table)
+
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "profile-format.md"
+
+
+def test_the_docs_examples_are_what_show_and_export_print(tmp_path, capsys):
+    """docs/profile-format.md shows the table and the context form of this profile."""
+    doc = DOC.read_text()
+    code, stdout, _ = run(["show", str(write(tmp_path, uneven_contexts_dict()))], capsys)
+    schedule = stdout[stdout.index("  schedule by batch size"):stdout.index("  recommended:")]
+    assert code == 0 and schedule in doc, schedule
+    profile = profile_from_dict(uneven_contexts_dict())
+    table = speculative_config(render_export(profile, "vllm", "yaml", per_batch_size=True,
+                                             context_ranges=True))[VLLM_BATCH_TABLE_KEY]
+    documented = [line.split("#")[0].strip() for line in doc.splitlines()
+                  if line.strip().startswith("- [") and line.count(",") == len(table[0]) - 1]
+    assert documented == [f"- {row}" for row in table]
