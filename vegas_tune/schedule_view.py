@@ -10,6 +10,8 @@ and the range below it reaches further in that band.
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 from vegas_core.schedule import range_words
 from vegas_tune.profile import VANILLA, Profile, ScheduleEntry
 
@@ -46,7 +48,7 @@ def batch_rows(profile: Profile) -> list[tuple[int, int | None]]:
     """The table's rows: (first, last) batch size of each range, None for the last
     range's open end; every band's range boundaries, so each cell is one entry."""
     starts = sorted({e.batch_min for e in profile.schedule})
-    return [(low, following - 1) for low, following in zip(starts, starts[1:])] + [
+    return [(low, following - 1) for low, following in pairwise(starts)] + [
         (starts[-1], None)]
 
 
@@ -78,9 +80,10 @@ def schedule_table_lines(profile: Profile) -> list[str]:
         lines.append(cells)
     widths = [max(len(line[column]) for line in lines) for column in range(len(header))]
     confidence = f"{profile.results.confidence:.0%}"
-    text = [f"schedule by batch size and context: K (gamma) and the speedup over vanilla "
-            f"[{confidence} interval]; vanilla cells name the best K measured, which did "
-            "not beat vanilla"]
+    heading = (f"schedule by batch size and context: K (gamma) and the speedup over vanilla "
+               f"[{confidence} interval]; vanilla cells name the best K measured, which did "
+               "not beat vanilla")
+    text = [heading]
     text += [COLUMN_GAP.join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip()
              for line in lines]
     if any_untuned:
