@@ -1227,6 +1227,23 @@ def several_contexts_dict() -> dict:
     return data
 
 
+def uneven_contexts_dict() -> dict:
+    """The three-size sample (batch 1 vanilla, 8 at gamma 4, 64 at gamma 6) tuned at 4096
+    and 8192 tokens, where batch 64 was not tuned at 4096 (so 9 and above run the entry
+    measured at 8 there)."""
+    data = three_size_profile_dict()
+    long = data["schedule"]
+    short = copy.deepcopy(long[:2])
+    for (low, high), entries, ctx in zip(context_bands([4096, 8192]), (short, long),
+                                         (4096, 8192)):
+        for entry in entries:
+            entry.update(ctx_min=low, ctx_max=high, ctx=ctx)
+    data["schedule"] = short + long
+    data["workload"]["contexts"] = [4096, 8192]
+    data["not_tuned"] = [{"batch_size": 64, "ctx": 4096, "reason": "out of memory"}]
+    return data
+
+
 def test_a_profile_of_several_contexts_picks_by_context_and_keeps_its_bands():
     profile = profile_from_dict(several_contexts_dict())
     assert profile.contexts == [4096, 8192]

@@ -372,7 +372,8 @@ def test_doc_names_the_tune_options_that_exist():
     flags = set(re.findall(r"`(--[a-z][a-z-]*)", doc_text()))
     known = {"--" + name.replace("_", "-") for name in option_names()}
     others = {"--batch-size", "--ctx", "--max-new-tokens", "--out", "--storage", "--resume",
-              "--model", "--serve-batch", "--per-batch-size", "--force", "--target",
+              "--model", "--serve-batch", "--per-batch-size", "--context-ranges", "--force",
+              "--target",
               "--format", "--tolerance",
               "--profile", "--prompt", "--drafter", "--config",
               "--speculative-config"}  # the last is vLLM's

@@ -11,7 +11,8 @@ import time
 import pytest
 import yaml
 
-from tests.test_profile import MAX_MODEL_LEN, MODEL_ID, sample_profile_dict, sync_headline
+from tests.test_profile import (MAX_MODEL_LEN, MODEL_ID, sample_profile_dict, sync_headline,
+                                uneven_contexts_dict)
 from vegas_core.errors import VegasError
 from vegas_core.spec_config import MAX_GAMMA, SpecConfig
 from vegas_tune import cli
@@ -26,6 +27,8 @@ BOMB_LEVELS = 9
 BOMB_FANOUT = 9
 # Refusing the bomb must take well under this, where expanding it would take minutes.
 BOMB_SECONDS = 5.0
+# The first bytes of every PNG file.
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 def run(argv, capsys):
@@ -613,6 +616,76 @@ def test_diff_refuses_profiles_of_another_workload_and_warns_of_other_hardware(
 def test_show_names_the_last_range_as_open_ended(tmp_path, capsys):
     code, stdout, _ = run(["show", str(write(tmp_path, sample_profile_dict()))], capsys)
     assert code == 0 and "batch 64 and above: " in stdout and "64-64" not in stdout, stdout
+
+
+# --- show: a profile tuned at several contexts (issue 44) ------------------------------
+
+def test_show_tabulates_batch_ranges_by_context_band(tmp_path, capsys):
+    code, stdout, _ = run(["show", str(write(tmp_path, uneven_contexts_dict()))], capsys)
+    assert code == 0, stdout
+    lines = stdout.splitlines()
+    assert "ctx 4096, 8192, batch 1, 8, 64" in lines[1]
+    assert "tuned for vegas (batch 64, ctx 8192)" in lines[2]
+    heading = next(index for index, line in enumerate(lines)
+                   if line.startswith("    batch ") and "ctx 1-5792" in line)
+    columns = lines[heading].split("  ")
+    assert [c.strip() for c in columns if c.strip()] == [
+        "batch", "ctx 1-5792 (tuned 4096)", "ctx 5793 and above (tuned 8192)"]
+    rows = [[cell.strip() for cell in line.split("  ") if cell.strip()]
+            for line in lines[heading + 1:heading + 4]]
+    assert rows == [
+        ["1-1", "vanilla (K 6: 0.81x [0.79, 0.83])", "vanilla (K 6: 0.81x [0.79, 0.83])"],
+        ["2-8", "K 4: 1.60x [1.50, 1.70]", "K 4: 1.60x [1.50, 1.70]"],
+        # Batch 64 ran out of memory at 4096: 9 and above run the entry measured at 8.
+        ["9 and above", "K 4: 1.60x [1.50, 1.70] (at 8)", "K 6: 2.12x [2.05, 2.19]"],
+    ], stdout
+    assert "(at N): a size of the row was not tuned at that context" in lines[heading + 4]
+    assert "    not tuned: batch 64 at ctx 4096: out of memory" in lines
+    # Cells sit under their column titles.
+    starts = [lines[heading].index(title) for title in ("ctx 1-5792", "ctx 5793")]
+    assert [lines[heading + 3].index(cell) for cell in ("K 4:", "K 6:")] == starts
+
+
+def test_show_plot_writes_a_png_heat_map_for_one_context_or_several(tmp_path, capsys):
+    for name, data in (("one", sample_profile_dict()), ("several", uneven_contexts_dict())):
+        plot = tmp_path / "plots" / f"{name}.png"
+        code, stdout, err = run(["show", str(write(tmp_path, data, f"{name}.yaml")),
+                                 "--plot", str(plot)], capsys)
+        assert code == 0 and f"wrote {plot}" in err, err
+        assert plot.read_bytes().startswith(PNG_SIGNATURE)
+        assert "recommended: true" in stdout  # the text is printed as well
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == ["one.png", "several.png"]
+
+
+def test_schedule_heat_map_has_a_cell_per_size_and_context():
+    from vegas_tune.report import schedule_heatmap_figure
+
+    axes = schedule_heatmap_figure(uneven_contexts_dict()).axes[0]
+    texts = sorted(t.get_text() for t in axes.texts)
+    assert texts == sorted(["K 0\n(best 0.81x)", "K 0\n(best 0.81x)", "K 4\n1.60x",
+                            "K 4\n1.60x", "not tuned", "K 6\n2.12x"])
+    assert [t.get_text() for t in axes.get_xticklabels()] == ["4096", "8192"]
+    assert [t.get_text() for t in axes.get_yticklabels()] == ["1", "8", "64"]
+    colours = axes.images[0].get_array()
+    # Vanilla cells are coloured as no speedup; the size not tuned has no colour.
+    assert colours[0, 0] == 1.0 and colours[2, 1] == pytest.approx(2.12)
+    assert colours.mask[2, 0] and not colours.mask[2, 1]
+
+
+@pytest.mark.parametrize("plot, fragment", [
+    ("folder", "is a folder; give the heat map's file name"),
+    ("heat.jpg", "the heat map is a PNG; give a file name ending in .png"),
+    ("p.yaml/heat.png", "is a file, not a folder"),
+])
+def test_show_plot_refuses_a_bad_path_leaving_nothing(tmp_path, capsys, monkeypatch, plot,
+                                                      fragment):
+    write(tmp_path, uneven_contexts_dict())
+    (tmp_path / "folder").mkdir()
+    monkeypatch.chdir(tmp_path)
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    code, stdout, err = run(["show", "p.yaml", "--plot", plot], capsys)
+    assert code == 2 and stdout == "" and err.count("\n") == 1 and fragment in err, err
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before
 
 
 def test_doctor_prints_free_memory(capsys):

@@ -38,7 +38,8 @@ from vegas_core.spec_config import SpecConfig
 from vegas_core.yamlio import read_yaml
 from vegas_tune import pipeline
 from vegas_tune.datasets import check_dataset, load_prompts
-from vegas_tune.export import check_target, recommendation_note, render_export
+from vegas_tune.export import (check_table_options, check_target, recommendation_note,
+                               render_export)
 from vegas_tune.grid import (GRID_BEST, GRID_TOP, GridResult, compare as race_configs,
                              grid_markdown, grid_points, parse_gammas, partial_path,
                              read_partial, regret_words, run_grid, spec_of_row, write_json,
@@ -50,9 +51,11 @@ from vegas_tune.options import (DEFAULT_WORDS, TuneOptions, option_default, opti
 from vegas_tune.pipeline import STUDY_HARDWARE_KEYS, git_revision, settings_fingerprint
 from vegas_tune.preflight import (check_device, check_model_size, check_out, check_tune,
                                   check_values, flag)
-from vegas_tune.profile import (diff_profiles, incomparable, load_profile, profile_to_dict,
-                                write_text_atomically)
+from vegas_tune.profile import (Profile, diff_profiles, incomparable, load_profile,
+                                profile_to_dict, write_text_atomically)
 from vegas_tune.progress import ProgressReporter
+from vegas_tune.report import plot_schedule_heatmap
+from vegas_tune.schedule_view import schedule_table_lines
 from vegas_tune.settings import TuneSettings, study_location
 from vegas_tune.spans import DEFAULT_SPAN_TOKENS, SPAN_WARMUP_ITERATIONS
 from vegas_tune.space import longest_prefix, tuned_words
@@ -74,6 +77,9 @@ BENCH_ROUNDS = 3
 MIN_BENCH_ROUNDS = 2
 # Distinct prompts per trial when --num-prompts is not given and the smallest batch is smaller.
 MIN_PROMPTS = 4
+# `show --plot`: the heat map's format, and the file name an error suggests.
+PNG_SUFFIX = ".png"
+HEATMAP_EXAMPLE = "schedule.png"
 SUBCOMMANDS = ("tune", "bench", "grid", "validate", "show", "diff", "export", "doctor")
 ENV_PREFIX = "VEGAS_TUNE_"
 # SpecConfig fields whose errors start with the field's name (``--gamma`` on the CLI).
@@ -655,12 +661,31 @@ def validate(profile: Path = typer.Argument(..., help="Profile YAML."),
 @app.command()
 def show(profile: Path = typer.Argument(..., help="Profile YAML."),
          json_out: bool = typer.Option(False, "--json", help="The whole profile as JSON."),
+         plot: Optional[Path] = typer.Option(
+             None, help="Also write a PNG heat map of the schedule here: batch size x "
+                        "context, coloured by the speedup over vanilla, each cell "
+                        "annotated with K (0: vanilla) and the speedup."),
          debug: bool = typer.Option(False, help="Show tracebacks.")) -> None:
-    """Print a profile's tuned values, results and provenance."""
+    """Print a profile's tuned values, results and provenance, and its schedule: range by
+    range, or for a profile tuned at several contexts a table of batch ranges by
+    context bands."""
+    if plot is not None:
+        check_out(plot, "--plot", "the heat map's file name", HEATMAP_EXAMPLE)
+        if plot.suffix.lower() != PNG_SUFFIX:
+            raise VegasError(f"--plot {plot}: the heat map is a PNG; give a file name "
+                             f"ending in {PNG_SUFFIX}, e.g. {plot.with_suffix(PNG_SUFFIX)}")
     p = load_profile(profile)
     if json_out:
         print(json.dumps(profile_to_dict(p), indent=1))
-        return
+    else:
+        _print_profile(p, profile)
+    if plot is not None:
+        plot_schedule_heatmap(profile_to_dict(p), plot)
+        stderr.print(f"wrote {plot}")
+
+
+def _print_profile(p: Profile, profile: Path) -> None:
+    """What ``show`` prints of ``p`` (read from ``profile``) without --json."""
     r = p.results
     results = r.model_dump()
 
@@ -669,9 +694,12 @@ def show(profile: Path = typer.Argument(..., help="Profile YAML."),
 
     hw = p.hardware.gpu_name or f"CPU ({p.hardware.cpu})"
     sizes = ", ".join(map(str, p.workload.batch_sizes))
-    typer.echo(f"{profile}\n  model {p.model.id} ({p.model.dtype}) on {hw}; ctx {p.workload.ctx}, "
+    contexts = ", ".join(map(str, p.contexts))
+    typer.echo(f"{profile}\n  model {p.model.id} ({p.model.dtype}) on {hw}; ctx {contexts}, "
                f"batch {sizes}, dataset {p.workload.dataset}")
     at = f" (batch {p.headline.batch_size})" if len(p.schedule) > 1 else ""
+    if p.workload.contexts:
+        at = f" (batch {p.headline.batch_size}, ctx {p.headline.ctx})"
     typer.echo(f"  tuned for {p.target}{at}: {tuned_words(p.tuned)}; collect {p.tuned.collect}, "
                f"granularity {p.tuned.granularity}, rule {p.tuned.rule}")
     typer.echo(f"  {figure('tokens_per_second', ' tok/s', 1)}; vanilla "
@@ -682,7 +710,17 @@ def show(profile: Path = typer.Argument(..., help="Profile YAML."),
                f"length {r.mean_accepted_length:.2f}")
     typer.echo(f"  means of {r.rounds} interleaved rounds, {r.confidence:.0%} confidence "
                "intervals in brackets")
-    if len(p.schedule) > 1 or p.not_tuned or p.cut_short:
+    if p.workload.contexts:
+        # One band per context: a table of batch ranges by context bands.
+        lines = schedule_table_lines(p)
+        typer.echo(f"  {lines[0]}:")
+        for line in lines[1:]:
+            typer.echo(f"    {line}")
+        for item in p.not_tuned:
+            typer.echo(f"    not tuned: batch {item.batch_size} at ctx {item.ctx}: {item.reason}")
+        for line in p.cut_short:
+            typer.echo(f"    cut short: {line}")
+    elif len(p.schedule) > 1 or p.not_tuned or p.cut_short:
         typer.echo("  schedule:")
         for e in p.schedule:
             what = ("vanilla" if e.config == "vanilla" else
@@ -739,7 +777,13 @@ def export(profile: Path = typer.Argument(...),
            per_batch_size: bool = typer.Option(
                False, "--per-batch-size", help="vllm: add the whole schedule as vLLM's "
                "num_speculative_tokens_per_batch_size table (K per batch range, 0 where it "
-               "runs vanilla); read by vLLM's dynamic speculative decoding, not by the fork."),
+               "runs vanilla); read by vLLM's dynamic speculative decoding, not by the fork. "
+               "A profile tuned at several contexts gives its longest context's ranges."),
+           context_ranges: bool = typer.Option(
+               False, "--context-ranges", help="With --per-batch-size, for a profile tuned "
+               "at several contexts: every context band, as [batch_lo, batch_hi, ctx_lo, "
+               "ctx_hi, K] entries (the form proposed in vLLM's RFC 48627; no vLLM release "
+               "reads it yet)."),
            debug: bool = typer.Option(False, help="Show tracebacks.")) -> None:
     """Print a profile's serving config: `vllm serve --config` YAML, or JSON, for one
     served concurrency. Where the schedule runs vanilla at that concurrency, vanilla
@@ -747,10 +791,11 @@ def export(profile: Path = typer.Argument(...),
     if out is not None:
         check_out(out, "--out", "the export's file name", "serve.yaml")
     p = load_profile(profile)
+    check_table_options(p, per_batch_size, context_ranges)
     target = target or p.target
     warning = check_target(p, target, force, str(profile))
     text = render_export(p, target, fmt, force=force, serve_batch=serve_batch,
-                         per_batch_size=per_batch_size)
+                         per_batch_size=per_batch_size, context_ranges=context_ranges)
     # The table runs vanilla where the schedule does: no warning about the served entry.
     note = None if per_batch_size else recommendation_note(p, str(profile), force,
                                                            serve_batch=serve_batch)

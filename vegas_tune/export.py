@@ -38,7 +38,11 @@ size, so they come from the served entry (or, where it runs vanilla, the specula
 entry of the largest batch size); the note names each range that was measured with
 another selection or budget. vLLM reads the table since its dynamic speculative
 decoding (pull request 32374); the authors' fork, built on an earlier vLLM, rejects
-unknown speculative keys, so the table is for a vLLM that runs both.
+unknown speculative keys, so the table is for a vLLM that runs both. A profile tuned at
+several contexts gives the table of its longest context's band (what the served entry
+and the headline come from); with ``context_ranges`` as well, every band, in the
+context form proposed in vLLM's RFC 48627 (``[batch_min, batch_max, ctx_min, ctx_max,
+K]``, read by no release yet), the last band reaching the served ``max-model-len``.
 
 vegas: the keyword arguments of ``vegas_core.SpecConfig`` for the same settings.
 ``recommendation_note`` gives the one line the CLI prints on stderr for a vanilla entry.
@@ -52,9 +56,10 @@ from typing import Any
 import yaml
 
 from vegas_core.errors import VegasError
-from vegas_tune.profile import VANILLA, Profile, ScheduleEntry
-from vegas_tune.serving import (JSON_INDENT, VLLM_BATCH_TABLE_KEY, VLLM_SPECULATIVE_KEY,
-                                engine_settings, speculative_json, vllm_batch_table, vllm_note,
+from vegas_tune.profile import VANILLA, Profile, ScheduleEntry, Tuned
+from vegas_tune.serving import (JSON_INDENT, VLLM_BATCH_TABLE_KEY, VLLM_CONTEXT_FORM,
+                                VLLM_SPECULATIVE_KEY, engine_settings, speculative_json,
+                                vllm_batch_table, vllm_context_table, vllm_note,
                                 vllm_serve_config)
 
 EXPORT_TARGETS = ("vllm", "vegas")
@@ -76,7 +81,7 @@ def served_entry(profile: Profile, serve_batch: int | None) -> tuple[int, Schedu
     if serve_batch is None:
         return largest, profile.headline
     if not 1 <= serve_batch <= largest:
-        sizes = ", ".join(str(e.batch_size) for e in profile.schedule)
+        sizes = ", ".join(str(e.batch_size) for e in profile.entries_at())
         # Only a size above the largest can be fixed by tuning further.
         retune = (f", or re-tune with --batch-size up to {serve_batch}"
                   if serve_batch > largest else "")
@@ -128,8 +133,22 @@ def check_target(profile: Profile, target: str, force: bool, source: str) -> str
             "--force asks: the figures in the profile were not measured for this target")
 
 
+def check_table_options(profile: Profile, per_batch_size: bool, context_ranges: bool) -> None:
+    """Refuse (``VegasError``) ``context_ranges`` without ``per_batch_size`` (it shapes
+    that table), or for a profile tuned at one context (it has no context ranges)."""
+    if context_ranges and not per_batch_size:
+        raise VegasError("--context-ranges shapes vLLM's per-batch-size table: pass "
+                         "--per-batch-size too")
+    if context_ranges and profile.workload.contexts is None:
+        raise VegasError(f"--context-ranges: the profile was tuned at one context "
+                         f"({profile.workload.ctx} tokens), so it has no context ranges; "
+                         "drop --context-ranges, or re-tune at several (e.g. --ctx "
+                         "4k,16k,32k)")
+
+
 def render_export(profile: Profile, target: str, fmt: str, force: bool = False,
-                  serve_batch: int | None = None, per_batch_size: bool = False) -> str:
+                  serve_batch: int | None = None, per_batch_size: bool = False,
+                  context_ranges: bool = False) -> str:
     """Render the serving settings for ``serve_batch`` concurrent sequences (default: the
     largest tuned size) as text, from the schedule entry for that size.
 
@@ -140,6 +159,8 @@ def render_export(profile: Profile, target: str, fmt: str, force: bool = False,
     An entry that runs vanilla renders vanilla decoding instead (see the module
     docstring) unless ``force`` is true. An unknown target or format, or a
     ``serve_batch`` outside the tuned sizes, raises ``VegasError``.
+    ``per_batch_size`` (vllm only) adds vLLM's per-batch-size table, in its context form
+    with ``context_ranges`` (a profile tuned at several contexts only).
     """
     if target not in EXPORT_TARGETS:
         raise VegasError(f"unknown export target '{target}'; choose one of: "
@@ -147,12 +168,13 @@ def render_export(profile: Profile, target: str, fmt: str, force: bool = False,
     if fmt not in EXPORT_FORMATS:
         raise VegasError(f"unknown export format '{fmt}'; choose one of: "
                          f"{', '.join(EXPORT_FORMATS)}")
+    check_table_options(profile, per_batch_size, context_ranges)
     batch, entry = served_entry(profile, serve_batch)
     if per_batch_size:
         if target != "vllm":
             raise VegasError("--per-batch-size writes vLLM's table; this engine follows "
                              "the profile's schedule itself (vegas generate --profile)")
-        return _render_batch_table(profile, fmt, batch, entry)
+        return _render_batch_table(profile, fmt, batch, entry, context_ranges)
     tuned = entry.speculative if force or entry.config != VANILLA else None
     if target == "vllm":
         model_id = profile.exports.vllm.serve_config["model"]
@@ -175,17 +197,43 @@ BATCH_TABLE_NOTE = (
     "vLLM, rejects it as an unknown key.")
 
 
-def _render_batch_table(profile: Profile, fmt: str, batch: int, entry: ScheduleEntry) -> str:
+# Said of a context-form export: who reads it, and what its contexts are.
+CONTEXT_TABLE_NOTE = (
+    f"Its entries are in the context form proposed in vLLM's {VLLM_CONTEXT_FORM} "
+    "([batch_lo, batch_hi, ctx_lo, ctx_hi, K], pull request 48944), which no vLLM "
+    "release reads yet. The contexts were tuned as the mean tokens per live sequence; "
+    "the last band runs to max-model-len.")
+
+
+def _band_ranges(entries: list[ScheduleEntry], batch: int
+                 ) -> list[tuple[int, int, Tuned | None]]:
+    """(batch_min, batch_max, configuration or None for vanilla) of ``entries`` that a
+    server of ``batch`` sequences reaches."""
+    return [(e.batch_min, e.batch_max, None if e.config == VANILLA else e.config)
+            for e in entries if e.batch_min <= batch]
+
+
+def _render_batch_table(profile: Profile, fmt: str, batch: int, entry: ScheduleEntry,
+                        context_ranges: bool = False) -> str:
     """The vLLM export of the whole schedule up to ``batch`` sequences (see the module
     docstring); ``VegasError`` when no entry runs speculatively."""
     speculative = [e for e in profile.schedule if e.config != VANILLA]
     if not speculative:
         raise VegasError("the schedule runs vanilla at every batch size: there is no "
                          "speculative configuration to give a table")
+    # The served entry is of the longest context's band; so is the last entry.
     served = entry.config if entry.config != VANILLA else speculative[-1].config
-    ranges = [(e.batch_min, e.batch_max, None if e.config == VANILLA else e.config)
-              for e in profile.schedule if e.batch_min <= batch]
-    table, unmeasured = vllm_batch_table(ranges, served)
+    if context_ranges:
+        bands = []
+        for ctx in profile.contexts:
+            entries = profile.entries_at(ctx)
+            # The last band covers every longer context, up to what the server admits.
+            ctx_max = (max(entries[0].ctx_max, max_model_len(profile))
+                       if ctx == profile.contexts[-1] else entries[0].ctx_max)
+            bands.append((entries[0].ctx_min, ctx_max, _band_ranges(entries, batch)))
+        table, unmeasured = vllm_context_table(bands, served)
+    else:
+        table, unmeasured = vllm_batch_table(_band_ranges(profile.entries_at(), batch), served)
     model_id = profile.exports.vllm.serve_config["model"]
     serve = vllm_serve_config(model_id, served, batch, max_model_len(profile))
     speculative_config = serve.get(VLLM_SPECULATIVE_KEY)
@@ -193,11 +241,17 @@ def _render_batch_table(profile: Profile, fmt: str, batch: int, entry: ScheduleE
         raise VegasError(f"the fork cannot run {served.drafter} at sparsity ratio "
                          f"{served.sparsity_ratio:g}: there is no speculative config to "
                          "give a table")
-    speculative_config["num_speculative_tokens"] = max(k for _, _, k in table) or served.gamma
+    speculative_config["num_speculative_tokens"] = max(row[-1] for row in table) or served.gamma
     speculative_config[VLLM_BATCH_TABLE_KEY] = table
     if fmt == "json":
         return _json(speculative_config)
     note = vllm_note(served, profile.target) + " " + BATCH_TABLE_NOTE
+    if context_ranges:
+        note += " " + CONTEXT_TABLE_NOTE
+    elif profile.workload.contexts is not None:
+        contexts = ", ".join(map(str, profile.contexts))
+        note += (f" Tuned at contexts {contexts}: this table is the {profile.contexts[-1]} "
+                 "band's; --context-ranges gives every band.")
     if unmeasured:
         note += (" vLLM runs this config's drafter and budget at every batch size; these "
                  "ranges were measured with others: " + "; ".join(unmeasured) + ".")

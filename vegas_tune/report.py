@@ -52,6 +52,13 @@ BAND_ALPHA = 0.15
 ERRORBAR_CAPSIZE = 3
 MISSING = "n/a"
 STREAMING_COLOR = "tab:orange"
+# The schedule heat map: a diverging map (red: slower than vanilla, green: faster), grey
+# where a size was not tuned at a context, small enough text for two lines per cell.
+HEATMAP_COLOURS = "RdYlGn"
+NOT_TUNED_COLOUR = "lightgrey"
+HEATMAP_FONT_SIZE = 8
+# The least speedup either side of 1 the colour scale spans.
+HEATMAP_MIN_SPREAD = 0.1
 # The cost model is judged against this: a prediction further off than this share of the
 # measured throughput is named in the report.
 COST_MODEL_TOLERANCE = 0.10
@@ -271,6 +278,73 @@ def plot_throughput_vs_batch(profile: dict, path) -> Path:
     """PNG of tokens/s against batch size for vanilla, streaming and the chosen
     configuration, from the profile's ``schedule`` (see ``batch_figure``)."""
     _save(batch_figure(profile), path)
+    return Path(path)
+
+
+def schedule_heatmap_figure(profile: dict):
+    """The figure ``plot_schedule_heatmap`` saves (a matplotlib ``Figure``).
+
+    One cell per measured batch size (rows, smallest at the top) and context (columns,
+    shortest at the left; one column for a profile tuned at one context), coloured by the
+    speedup over vanilla of what the schedule runs there (1 where it runs vanilla: the
+    colour is what serving gets) and annotated with its K (0: vanilla; then the best
+    speculative speedup measured, which lost) and the speedup. A size not tuned at a
+    context (e.g. out of memory) is a grey cell marked so."""
+    import numpy as np
+    from matplotlib.colors import TwoSlopeNorm
+
+    workload = profile.get("workload") or {}
+    sizes = list(workload.get("batch_sizes") or [])
+    contexts = list(workload.get("contexts") or [workload.get("ctx")])
+    # Schedule entries carry their context only where several were tuned.
+    cells = {(e["batch_size"], e.get("ctx") or contexts[-1]): e
+             for e in profile.get("schedule") or []}
+    speedups = np.full((len(sizes), len(contexts)), np.nan)
+    figure, axes = _figure()
+    for row, size in enumerate(sizes):
+        for column, ctx in enumerate(contexts):
+            entry = cells.get((size, ctx))
+            if entry is None:
+                axes.text(column, row, "not tuned", ha="center", va="center",
+                          fontsize=HEATMAP_FONT_SIZE)
+                continue
+            measured = (entry.get("results") or {}).get("speedup")
+            vanilla = entry.get("config") == VANILLA_CONFIG
+            speedups[row, column] = NO_SPEEDUP if vanilla else (
+                measured if _is_number(measured) else np.nan)
+            figure_words = f"{measured:.2f}x" if _is_number(measured) else MISSING
+            label = (f"K 0\n(best {figure_words})" if vanilla
+                     else f"K {entry['config']['gamma']}\n{figure_words}")
+            axes.text(column, row, label, ha="center", va="center",
+                      fontsize=HEATMAP_FONT_SIZE)
+    known = speedups[~np.isnan(speedups)]
+    # Centred on no speedup (white), red below and green above; a spread of at least
+    # HEATMAP_MIN_SPREAD either side, so one value or all-vanilla still draws.
+    low = min([NO_SPEEDUP - HEATMAP_MIN_SPREAD, *known])
+    high = max([NO_SPEEDUP + HEATMAP_MIN_SPREAD, *known])
+    colours = _colour_map(HEATMAP_COLOURS)
+    image = axes.imshow(np.ma.masked_invalid(speedups), cmap=colours, aspect="auto",
+                        norm=TwoSlopeNorm(vmin=low, vcenter=NO_SPEEDUP, vmax=high))
+    figure.colorbar(image, ax=axes, label="speedup over vanilla (vanilla runs: 1)")
+    axes.set_xticks(range(len(contexts)), [str(ctx) for ctx in contexts])
+    axes.set_yticks(range(len(sizes)), [str(size) for size in sizes])
+    axes.set_xlabel("context (tokens per sequence)")
+    axes.set_ylabel("batch size (concurrent sequences)")
+    axes.set_title("Schedule: K and speedup by batch size and context")
+    return figure
+
+
+def _colour_map(name: str):
+    """``name``'s colour map with grey for cells with no value (a size not tuned)."""
+    from matplotlib import colormaps
+
+    return colormaps[name].with_extremes(bad=NOT_TUNED_COLOUR)
+
+
+def plot_schedule_heatmap(profile: dict, path) -> Path:
+    """PNG heat map of the schedule over batch size and context: K and the speedup over
+    vanilla in each cell (see ``schedule_heatmap_figure``)."""
+    _save(schedule_heatmap_figure(profile), path)
     return Path(path)
 
 

@@ -37,6 +37,11 @@ JSON_INDENT = 2
 # vLLM's dynamic speculative decoding (pull request 32374): a list of inclusive
 # [batch_lo, batch_hi, K] ranges; K = 0 turns speculation off for that range.
 VLLM_BATCH_TABLE_KEY = "num_speculative_tokens_per_batch_size"
+# The context form of that table, proposed in vLLM's RFC 48627 (pull request 48944, read
+# by no release): the same key, each entry [batch_lo, batch_hi, ctx_lo, ctx_hi, K], K
+# chosen by the live batch size and the context (tokens) of its sequences.
+VLLM_CONTEXT_FORM = "RFC 48627"
+CONTEXT_ENTRY_LENGTH = 5
 # The selection and budget of a configuration: what one fork speculative config fixes
 # for every batch size (only gamma varies through the table). The drafter's options
 # count only between two configurations of one drafter.
@@ -88,6 +93,56 @@ def check_vllm_batch_table(table: object) -> None:
         previous_end = end
     if table[0][0] != 1:
         raise ValueError("the first range must start at batch size 1")
+
+
+def vllm_context_table(bands: list[tuple[int, int, list[tuple[int, int, Tuned | None]]]],
+                       served: Tuned) -> tuple[list[list[int]], list[str]]:
+    """The context form of vLLM's per-batch-size table (``VLLM_CONTEXT_FORM``): ``bands``
+    are (ctx_min, ctx_max, that band's ranges as ``vllm_batch_table`` takes them), shortest
+    first. Returns one ``[batch_min, batch_max, ctx_min, ctx_max, K]`` per range, band by
+    band, and the lines naming ranges measured with another selection or budget than
+    ``served`` (as ``vllm_batch_table``, each with its band)."""
+    table, unmeasured = [], []
+    for ctx_min, ctx_max, ranges in bands:
+        batch_table, band_unmeasured = vllm_batch_table(ranges, served)
+        table += [[low, high, ctx_min, ctx_max, k] for low, high, k in batch_table]
+        unmeasured += [f"ctx {ctx_min}-{ctx_max}, {line}" for line in band_unmeasured]
+    return table, unmeasured
+
+
+def check_vllm_context_table(table: object) -> None:
+    """Raise ``ValueError`` unless ``table`` follows the rules of the context form
+    (``VLLM_CONTEXT_FORM``): a non-empty list of [batch_start, batch_end, ctx_start,
+    ctx_end, K] integer entries, K >= 0, inclusive ranges with 0 < start <= end; entries
+    grouped by context band, the bands sorted and following each other from context 1
+    (the RFC says nothing of a context between bands, so none is left out); within a
+    band, the batch ranges as ``check_vllm_batch_table`` wants them."""
+    if not isinstance(table, list) or not table:
+        raise ValueError("the table must be a non-empty list of [batch_start, batch_end, "
+                         "ctx_start, ctx_end, K] entries")
+    bands: list[tuple[int, int, list[list[int]]]] = []
+    for entry in table:
+        if (not isinstance(entry, list) or len(entry) != CONTEXT_ENTRY_LENGTH
+                or not all(type(x) is int for x in entry)):
+            raise ValueError(f"{entry!r}: each entry must be five integers [batch_start, "
+                             "batch_end, ctx_start, ctx_end, K]")
+        batch_start, batch_end, ctx_start, ctx_end, k = entry
+        if not 0 < ctx_start <= ctx_end:
+            raise ValueError(f"{entry!r}: a context range needs 0 < ctx_start <= ctx_end")
+        if bands and (ctx_start, ctx_end) == bands[-1][:2]:
+            bands[-1][2].append([batch_start, batch_end, k])
+            continue
+        expected = bands[-1][1] + 1 if bands else 1
+        if ctx_start != expected:
+            raise ValueError(f"{entry!r}: context bands must be sorted, start at 1 and follow "
+                             f"each other without gaps or overlaps; expected ctx_start "
+                             f"{expected}")
+        bands.append((ctx_start, ctx_end, [[batch_start, batch_end, k]]))
+    for ctx_start, ctx_end, batch_table in bands:
+        try:
+            check_vllm_batch_table(batch_table)
+        except ValueError as error:
+            raise ValueError(f"context band {ctx_start}-{ctx_end}: {error}") from None
 
 
 def vllm_speculative_config(tuned: Tuned) -> dict[str, Any] | None:
