@@ -413,6 +413,8 @@ class StepSummary(_Strict):
     study: str
     # The batch size the step measured at; None for a step shared by every size.
     batch_size: int | None = Field(default=None, ge=1)
+    # The context it measured at, in a profile tuned at several contexts; None otherwise.
+    ctx: int | None = Field(default=None, ge=1)
     trials: int = Field(ge=0)
     chosen: dict[str, Scalar]
     notes: str = ""
@@ -883,7 +885,7 @@ def profile_to_dict(profile: Profile) -> dict[str, Any]:
         if data["workload"].get(key) is None:
             data["workload"].pop(key, None)
     # Context keys only in a profile tuned at several contexts.
-    for item in (*data["schedule"], *data["not_tuned"]):
+    for item in (*data["schedule"], *data["not_tuned"], *data["steps"]):
         for key in CONTEXT_ENTRY_KEYS:
             if item.get(key, 0) is None:
                 item.pop(key)
