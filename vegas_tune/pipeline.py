@@ -458,7 +458,7 @@ def write_artifacts(profile: dict, result, stem: Path,
 
     head_batch = profile["workload"]["batch_size"]
     # A tune of several contexts plots the headline's context (the longest tuned).
-    head_ctx = profile["schedule"][-1].get("ctx")
+    head_ctx = (profile.get("schedule") or [{}])[-1].get("ctx")
     race = next((step for step in profile["steps"]
                  if step["name"] == RACE and step.get("batch_size") == head_batch
                  and step.get("ctx") == head_ctx), {})
@@ -471,8 +471,9 @@ def write_artifacts(profile: dict, result, stem: Path,
     plot_throughput_vs_gamma(race.get("predictions") or [], throughput, tuned=profile["tuned"],
                              results=profile["results"], trials=head_trials)
     by_batch = beside(".batch.png")
-    plot_throughput_vs_batch({**profile, "schedule": [e for e in profile["schedule"]
-                                                     if e.get("ctx") == head_ctx]}, by_batch)
+    plot_throughput_vs_batch(profile if head_ctx is None else
+                             {**profile, "schedule": [e for e in profile["schedule"]
+                                                      if e.get("ctx") == head_ctx]}, by_batch)
     report = write_report(profile, result.trials, beside(".report.md"),
                           {"acceptance vs budget": acceptance.name,
                            "throughput vs gamma": throughput.name,
