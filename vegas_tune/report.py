@@ -452,7 +452,6 @@ def _summary(profile: dict) -> str:
     results = profile.get("results") or {}
     tuned = profile.get("tuned") or {}
     schedule = profile.get("schedule") or []
-    batch = (profile.get("workload") or {}).get("batch_size")
     at = f" at {_headline_words(profile)}" if len(schedule) > 1 else ""
     others = (f" (the schedule below covers the other "
               f"{'contexts and sizes' if _head_ctx(profile) else 'sizes'})" if at else "")

@@ -223,7 +223,6 @@ class Tuner:
         cut: list[str] = []
         interrupted = False
         races: dict[tuple[int, int], dict] = {}
-        searches: dict[tuple[int, int], Search] = {}
         raced: list[Selection] | None = None
         context_steps: Steps | None = None  # the steps at self.context
         try:
@@ -239,10 +238,9 @@ class Tuner:
                         context_steps = Steps(self.studies, Measuring(
                             self.studies, self.measurers[ctx], self.options), self.options)
                     point = (ctx, batch)
-                    searches[point] = self.search(ctx, batch, raced)
                     try:
-                        races[point], size_steps = self._tune_size(context_steps,
-                                                                   searches[point])
+                        races[point], size_steps = self._tune_size(
+                            context_steps, self.search(ctx, batch, raced))
                         for step in size_steps:
                             step.ctx = self.studies.context  # None: one context
                         steps += size_steps
