@@ -207,6 +207,15 @@ def tune(argv, capsys):
     (["--device", "tpu"], ["--device", "unknown device 'tpu'"]),
     (["--dtype", "float8"], ["--dtype", "unknown dtype 'float8'"]),
     (["--ctx", "20k"], ["--ctx 20480 + --max-new-tokens 64", "maximum of 16384 positions"]),
+    # A list of contexts: each as one, none twice; positions checked at the longest,
+    # budgets against the shortest.
+    (["--ctx", "4k,4096"], ["--ctx '4k,4096': 4096 tokens is given twice"]),
+    (["--ctx", "256,lots"], ["--ctx '256,lots' is not a token count or a comma-separated"]),
+    (["--ctx", "256,,512"], ["--ctx '256,,512' is not a token count"]),
+    (["--ctx", "256,8"], ["--ctx must be at least 16 tokens, got 8"]),
+    (["--ctx", "512,20k"], ["--ctx 20480 + --max-new-tokens 64", "maximum of 16384 positions"]),
+    (["--ctx", "16,512", "--budgets", "32,64"],
+     ["--budgets 32,64: every budget covers the whole 16-token prompt of --ctx"]),
 ])
 def test_bad_tune_settings_are_refused_up_front(argv, fragments, no_tuning, tmp_path, capsys):
     out = [] if "--out" in argv else ["--out", str(tmp_path / "p.yaml")]
@@ -221,6 +230,15 @@ def test_bench_batch_size_zero(no_tuning, capsys):
     assert_only_line(code, err, "--num-prompts must be >= 1")
     code, err = tune(["bench", *TUNE, "--gamma", "0"], capsys)
     assert_only_line(code, err, "--gamma must be between 1 and 64")
+
+
+@pytest.mark.parametrize("command", ["bench", "grid"])
+def test_commands_of_one_context_refuse_a_list(command, no_tuning, tmp_path, capsys):
+    code, err = tune([command, "--model", "dummy:tiny", "--device", "cpu", "--ctx", "4k,8k",
+                      *(["--out", str(tmp_path / "g.json")] if command == "grid" else [])],
+                     capsys)
+    assert_only_line(code, err, "--ctx '4k,8k': this command takes one context")
+    assert not list(tmp_path.iterdir())
 
 
 def test_setting_from_the_environment_names_the_variable(no_tuning, monkeypatch, tmp_path, capsys):
@@ -238,6 +256,9 @@ def test_setting_from_the_config_file_names_the_file_and_key(no_tuning, tmp_path
     config.write_text("ctx: abc\n")
     code, err = tune(["--config", str(config), "--out", str(tmp_path / "p.yaml")], capsys)
     assert_only_line(code, err, f"{config}: ctx 'abc' is not a token count", absent=["--ctx"])
+    config.write_text("ctx: [256, abc]\n")  # a YAML list of contexts, one of them bad
+    code, err = tune(["--config", str(config), "--out", str(tmp_path / "p.yaml")], capsys)
+    assert_only_line(code, err, f"{config}: ctx '256,abc' is not a token count", absent=["--ctx"])
     config.write_text("batch-size: 2.5\n")
     code, err = tune(["--config", str(config), "--out", str(tmp_path / "p.yaml")], capsys)
     assert_only_line(code, err, f"{config}: batch-size '2.5' is not a whole number")

@@ -406,6 +406,16 @@ def test_diff_judges_each_batch_size_of_the_schedule():
     assert "batch 64: ran speculatively in the old profile, now vanilla" in turned.regressions
 
 
+def test_diff_of_several_contexts_judges_each_context_and_batch_size():
+    old = several_contexts_dict()
+    new = copy.deepcopy(old)
+    short = new["schedule"][0]["results"]  # batch 1 at the shorter context only
+    short.update(mean_accepted_length=short["mean_accepted_length"] * 0.5)
+    diff = diff_profiles(profile_from_dict(old), profile_from_dict(new), tolerance=0.1)
+    assert len(diff.regressions) == 1
+    assert diff.regressions[0].startswith("batch 1 at ctx 4096: results.mean_accepted_length")
+
+
 def test_losing_the_recommendation_regresses():
     data = sample_profile_dict()
     data["recommended"] = False

@@ -872,3 +872,24 @@ def test_trial_cost_section_summarises_wall_time_prefill_and_steady_share(tmp_pa
             "(range 1.10x to 1.50x).") in cost
     assert "the longest prefill of a trial took 0.30 s; the median trial's took 0.20 s" in cost
     assert "median 90% of a trial's decode iterations" in cost
+
+
+def test_the_report_of_several_contexts_names_each_entrys_band(tmp_path):
+    from tests.test_profile import sample_profile_dict, several_contexts_dict
+    from vegas_tune.profile import profile_from_dict, profile_to_dict
+
+    profile = profile_to_dict(profile_from_dict(several_contexts_dict()))
+    profile["not_tuned"] = [{"batch_size": 128, "ctx": 4096, "reason": "out of memory"}]
+    text = report(tmp_path, profile, [])
+    assert "# Vegas tuning: " in text and ", ctx 4096, 8192\n" in text
+    schedule = text.split("## Schedule by context and batch size")[1]
+    rows = [line.split(" | ")[:2] for line in schedule.splitlines() if line.startswith("| ctx")]
+    assert rows == [["| ctx 1-5792, batch 1-63", "1 at ctx 4096"],
+                    ["| ctx 1-5792, batch 64 and above", "64 at ctx 4096"],
+                    ["| ctx 5793 and above, batch 1-63", "1 at ctx 8192"],
+                    ["| ctx 5793 and above, batch 64 and above", "64 at ctx 8192"]]
+    assert "at ctx 8192, the longest context" in text
+    assert "- batch 128 at ctx 4096: out of memory" in text
+    # One context: the table and its heading as they were.
+    plain = report(tmp_path, profile_to_dict(profile_from_dict(sample_profile_dict())), [])
+    assert "## Schedule by batch size" in plain and "| ctx" not in plain

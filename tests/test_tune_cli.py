@@ -350,10 +350,14 @@ def test_settings_precedence(tmp_path, monkeypatch):
     monkeypatch.setenv("VEGAS_TUNE_NUM_PROMPTS", "7")
     monkeypatch.setenv("VEGAS_TUNE_SEED", "6")
     s = cli.resolve_settings({"seed": 9}, config)
-    assert s["ctx"] == 8192  # config over default
+    assert s["ctx"] == (8192,)  # config over default; tune takes a list of contexts
     assert s["num_prompts"] == 7  # env over config
     assert s["seed"] == 9  # flag over env
     assert s["model"] == "smollm2-135m"  # default
+    config.write_text("ctx: [16k, 4k]\n")  # a YAML list, sorted
+    assert cli.resolve_settings({}, config)["ctx"] == (4096, 16384)
+    monkeypatch.setenv("VEGAS_TUNE_CTX", "8k,2k")
+    assert cli.resolve_settings({}, config)["ctx"] == (2048, 8192)
     config.write_text("ctxx: 1\n")
     from vegas_core.errors import VegasError
 
@@ -764,3 +768,137 @@ def test_cpu_out_of_memory_is_a_failed_trial_not_an_internal_error(tmp_path, mon
     (item,) = profile["not_tuned"]
     assert item["batch_size"] == 8 and "out of memory" in item["reason"]
     assert "can't allocate memory" in item["reason"]
+
+
+def context_aware_measure(speedup_at, noise: float = 0.02, seed: int = 0, stop_at=None):
+    """A fake ``Measurer.measure`` that knows its context (the prompts' length) and batch
+    size: vanilla at 100 tokens/s per sequence, a configuration ``speedup_at(ctx, batch,
+    spec)`` times that; the calls are recorded as ``measure.calls`` (ctx, batch, spec).
+    The first call at context ``stop_at`` raises KeyboardInterrupt (Ctrl-C)."""
+    rng = random.Random(seed)
+
+    def measure(self, spec, report=None):
+        ctx = len(self.workload.prompts[0].ids)
+        batch = self.workload.batch_size
+        if ctx == stop_at:
+            raise KeyboardInterrupt
+        measure.calls.append((ctx, batch, spec))
+        factor = math.exp(rng.gauss(0.0, noise)) * 100.0 * batch
+        if spec is None:
+            return fake_measurement(factor, 1.0, 0)
+        return fake_measurement(factor * speedup_at(ctx, batch, spec), 2.0, spec.gamma)
+
+    measure.calls = []
+    return measure
+
+
+def test_a_context_list_tunes_each_context_and_writes_context_bands(tmp_path, monkeypatch,
+                                                                     capsys):
+    # Vegas loses at the short context and batch 1 only; a window share helps, so the
+    # race's picks differ by selection.
+    def speedup(ctx, batch, spec):
+        return (0.8 if ctx == 256 and batch == 1 else 1.4 + 0.2 * batch / 4) + 0.3 * spec.window
+
+    measure = context_aware_measure(speedup)
+    monkeypatch.setattr("vegas_tune.measure.Measurer.measure", measure)
+    out = tmp_path / "p.yaml"
+    # Three rounds a race: enough for intervals, and a test of seconds.
+    quick = ["--batch-size", "1,4", "--target", "vegas", "--max-rounds", "3"]
+    code, _, err = run([*FAST, *quick, "--out", str(out), "--ctx", "512,256", "--storage",
+                        str(tmp_path / "s.journal"), "--study-name", "two"], capsys)
+    assert code == 0, err
+    profile = yaml.safe_load(out.read_text())
+    assert profile["workload"]["contexts"] == [256, 512] and profile["workload"]["ctx"] == 512
+    bands = [(e["ctx_min"], e["ctx_max"], e["ctx"], e["batch_min"], e["batch_max"],
+              e["batch_size"]) for e in profile["schedule"]]
+    assert bands == [(1, 362, 256, 1, 3, 1), (1, 362, 256, 4, 4, 4),
+                     (363, 512, 512, 1, 3, 1), (363, 512, 512, 4, 4, 4)]
+    assert profile["schedule"][0]["config"] == "vanilla"
+    assert "vanilla" not in [e["config"] for e in profile["schedule"][1:]]
+    assert profile["workload"]["batch_size"] == 4 and profile["recommended"] is True
+    assert profile["exports"]["vllm"]["serve_config"]["max-model-len"] == 512 + 12
+    code, stdout, _ = run(["validate", str(out)], capsys)
+    assert code == 0, stdout
+    # Each context's prompts are as long as it; the longest context and largest size
+    # are tuned first, then the shortest context.
+    assert {ctx for ctx, _, _ in measure.calls} == {256, 512}
+    assert [(c, b) for c, b, s in measure.calls if s is None][0] == (512, 4)
+    first_short = next(i for i, (c, _, _) in enumerate(measure.calls) if c == 256)
+    assert all(c == 256 for c, _, _ in measure.calls[first_short:])
+
+    def swept(ctx, batch):
+        return {(s.drafter, s.score if s.drafter == "vegas" else None, s.window)
+                for c, b, s in measure.calls
+                if (c, b) == (ctx, batch) and s is not None and s.gamma == 4}
+
+    # The first point sweeps every selection; every other point, at either context,
+    # the ones it raced, and streaming.
+    race = next(s for s in profile["steps"] if s["name"] == "race" and s["ctx"] == 512
+                and s["batch_size"] == 4)
+    raced = {(p["drafter"], p["score"] if p["drafter"] == "vegas" else None, p["window"])
+             for p in race["predictions"] if p["measured_tokens_per_second"] is not None}
+    assert len(swept(512, 4)) == 9
+    for point in ((512, 1), (256, 4), (256, 1)):
+        assert swept(*point) == raced | {("streaming", None, 0.0)}, point
+    # Steps, studies and trials name their context; the steps run shortest context first.
+    assert [s["ctx"] for s in profile["steps"]] == sorted(s["ctx"] for s in profile["steps"])
+    assert {s["study"] for s in profile["steps"] if s["name"] == "sweep"} == {
+        f"two:sweep@{b}/ctx{c}" for c in (256, 512) for b in (1, 4)}
+    assert {row["ctx"] for row in csv_rows(tmp_path / "p.trials.csv")} == {"256", "512"}
+    assert "step sweep @ ctx 256, batch 1" in err
+    report = (tmp_path / "p.report.md").read_text()
+    assert "## Schedule by context and batch size" in report
+    assert "| ctx 1-362, batch 1-3 | 1 at ctx 256 | vanilla |" in report
+    code, stdout, _ = run(["show", str(out)], capsys)
+    assert code == 0 and "ctx 363 and above, batch 4 and above: " in stdout
+
+    # One context: the profile it always was (no context keys, the same study names), and
+    # its schedule is the longest context's band above, measured the same way first.
+    monkeypatch.setattr("vegas_tune.measure.Measurer.measure", context_aware_measure(speedup))
+    one = tmp_path / "one.yaml"
+    code, _, err = run([*FAST, *quick, "--out", str(one), "--ctx", "512", "--storage",
+                        str(tmp_path / "one.journal"), "--study-name", "one"], capsys)
+    assert code == 0, err
+    single = yaml.safe_load(one.read_text())
+    assert "contexts" not in single["workload"] and not single["not_tuned"]
+    for item in (*single["schedule"], *single["steps"]):
+        assert not {"ctx", "ctx_min", "ctx_max"} & set(item), item
+    assert {s["study"] for s in single["steps"] if s["name"] == "sweep"} == {
+        "one:sweep@1", "one:sweep@4"}
+    assert "ctx" not in csv_rows(tmp_path / "one.trials.csv")[0]
+    longest = [{k: v for k, v in e.items() if k not in ("ctx_min", "ctx_max", "ctx")}
+               for e in profile["schedule"] if e["ctx"] == 512]
+    assert single["schedule"] == longest
+
+
+def test_a_context_list_cut_short_resumes_keeping_the_finished_context(tmp_path, monkeypatch, capsys):
+    def speedup(ctx, batch, spec):
+        return 1.5
+
+    out, storage = tmp_path / "p.yaml", str(tmp_path / "s.journal")
+    argv = [*FAST, "--out", str(out), "--ctx", "256,512", "--storage", storage,
+            "--study-name", "cut"]
+    # Ctrl-C at the first measurement of the second context: the first is finished.
+    monkeypatch.setattr("vegas_tune.measure.Measurer.measure",
+                        context_aware_measure(speedup, stop_at=256))
+    code, _, err = run(argv, capsys)
+    assert code == 130, err
+    profile = yaml.safe_load(out.read_text())
+    assert profile["workload"]["contexts"] == [512]
+    assert [e["ctx"] for e in profile["schedule"]] == [512]
+    assert profile["not_tuned"] == [{"batch_size": 1, "ctx": 256,
+                                     "reason": "not reached: the run was cut short"}]
+    assert "sweep at batch 1 at ctx 256" in profile["cut_short"][0]
+    code, stdout, _ = run(["validate", str(out)], capsys)
+    assert code == 0, stdout
+    finished = completed_trials(storage, "cut:sweep@1/ctx512")
+    assert finished
+    # Resumed: the longest context's trials are kept, not measured again.
+    resumed = context_aware_measure(speedup)
+    monkeypatch.setattr("vegas_tune.measure.Measurer.measure", resumed)
+    code, _, err = run([*argv, "--resume"], capsys)
+    assert code == 0, err
+    assert resumed.calls and {ctx for ctx, _, _ in resumed.calls} == {256}
+    assert completed_trials(storage, "cut:sweep@1/ctx512") == finished
+    profile = yaml.safe_load(out.read_text())
+    assert [e["ctx"] for e in profile["schedule"]] == [256, 512] and not profile["not_tuned"]

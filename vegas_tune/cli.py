@@ -62,7 +62,7 @@ from vegas_tune.space import longest_prefix, tuned_words
 from vegas_tune.stats import Estimate
 from vegas_tune.steps import min_new_tokens
 from vegas_tune.studies import check_study
-from vegas_tune.tuner import batch_sizes, parse_ctx, usable_budgets
+from vegas_tune.tuner import batch_sizes, parse_contexts, parse_ctx, usable_budgets
 from vegas_tune.workers import (COMMAND_ENV, WORKER_ENV, parse_devices, resolve_devices,
                                 run_workers)
 
@@ -87,7 +87,7 @@ SPEC_FIELDS = ("gamma", "sparsity", "window", "min_tokens")
 # The workload and the run: name -> (default, parser). Booleans are parsed from "1/true/yes".
 RUN_DEFAULTS: dict[str, tuple[Any, Any]] = {
     "model": ("smollm2-135m", str),
-    "ctx": ("4k", parse_ctx),
+    "ctx": ("4k", parse_contexts),
     "dataset": ("mixed", str),
     "out": (None, Path),
     "device": ("auto", str),
@@ -187,8 +187,9 @@ def _parse_setting(name: str, parse: Any, value: Any, label: str) -> Any:
             return _parse_int(value)
         if parse is float:
             return _parse_float(value)
-        if parse in (parse_budgets, batch_sizes) and isinstance(value, (list, tuple)):
-            value = ",".join(map(str, value))  # a YAML list of budgets or sizes
+        if parse in (parse_budgets, batch_sizes, parse_contexts) and isinstance(value,
+                                                                                 (list, tuple)):
+            value = ",".join(map(str, value))  # a YAML list of budgets, sizes or contexts
         return parse(value if parse is not Path else str(value))
     except VegasError as e:
         # The parsers name the flag; a value from elsewhere names its own source.
@@ -265,7 +266,7 @@ def _root() -> None:
                {"json_out": "json"})
 def tune(
     model: Optional[str] = typer.Option(None, help="Embedded name, .gguf, HF folder or hub id, dummy:<preset>."),
-    ctx: Optional[str] = typer.Option(None, help="Prompt length: 2048, 8k, 64k, 128K."),
+    ctx: Optional[str] = typer.Option(None, help="Prompt length: 2048, 8k, 64k, 128K; a comma-separated list (4k,16k,32k) tunes each and writes a schedule of context bands."),
     dataset: Optional[str] = typer.Option(None, help="mixed, code, prose, retrieval, a .jsonl/.csv/.parquet file with a text or prompt column, or a HF dataset id."),
     out: Optional[Path] = typer.Option(None, help="Profile path."),
     device: Optional[str] = typer.Option(None, help="cpu, cuda, cuda:N, auto."),
@@ -313,7 +314,8 @@ def tune(
     _setup_logging(s["log_level"], debug)
     options = TuneOptions(**{name: s[name] for name in option_names()})
     settings = TuneSettings(
-        model=s["model"], ctx=s["ctx"], dataset=s["dataset"], out=s["out"], device=s["device"],
+        model=s["model"], ctx=s["ctx"][-1], contexts=s["ctx"], dataset=s["dataset"], out=s["out"],
+        device=s["device"],
         dtype=s["dtype"], storage=s["storage"], study_name=s["study_name"], resume=s["resume"],
         seed=s["seed"], batch_sizes=s["batch_size"], max_new_tokens=s["max_new_tokens"],
         temperature=s["temperature"], num_prompts=s["num_prompts"], options=options,
@@ -371,13 +373,11 @@ def _print_summary(summary: dict) -> None:
     stderr.print(f"profile: {summary['profile']} ({verdict} at batch "
                  f"{summary['schedule'][-1]['batch_size']})")
     if len(summary["schedule"]) > 1:
-        for index, entry in enumerate(summary["schedule"]):
+        for entry, where in zip(summary["schedule"], entry_ranges(summary["schedule"])):
             config = entry["config"]
             what = "vanilla" if config == "vanilla" else tuned_words(config)
-            span = range_words(entry["batch_min"], entry["batch_max"],
-                               last=index == len(summary["schedule"]) - 1)
-            stderr.print(f"  batch {span}: {what} "
-                         f"(measured at {entry['batch_size']}: speedup "
+            stderr.print(f"  {where}: {what} "
+                         f"(measured at {measured_at(entry)}: speedup "
                          f"{_result_words(entry, 'speedup', 'x', 2)})")
     stderr.print(f"tuned for {summary['target']}: {tuned_words(t)}")
     stderr.print(f"speedup {_result_words(r, 'speedup', 'x', 2)} over vanilla, "
@@ -387,10 +387,41 @@ def _print_summary(summary: dict) -> None:
                  f"{_result_words(r, 'vanilla_tokens_per_second', ' tok/s', 1)}; mean "
                  f"accepted length {r['mean_accepted_length']:.2f}")
     for item in summary["not_tuned"]:
-        stderr.print(f"not tuned: batch {item['batch_size']}: {item['reason']}")
+        stderr.print(f"not tuned: {point_words(item['batch_size'], item.get('ctx'))}: "
+                     f"{item['reason']}")
     for line in summary["cut_short"]:
         stderr.print(f"cut short: {line}")
     stderr.print(f"report: {summary['files']['report']} ({summary['duration_seconds']:.0f} s)")
+
+
+def entry_ranges(schedule: list[dict]) -> list[str]:
+    """What each schedule entry covers, in words: ``batch 4-7``, the last of a band ``batch
+    8 and above``; a profile of several contexts names the band first, ``ctx 1-5792,
+    batch 4-7`` (the last band: ``ctx 5793 and above``)."""
+    words = []
+    for index, entry in enumerate(schedule):
+        following = schedule[index + 1] if index + 1 < len(schedule) else None
+        band_ends = following is None or following.get("ctx") != entry.get("ctx")
+        batch = f"batch {range_words(entry['batch_min'], entry['batch_max'], band_ends)}"
+        if entry.get("ctx") is None:
+            words.append(batch)
+            continue
+        ctx = range_words(entry["ctx_min"], entry["ctx_max"],
+                          last=entry["ctx"] == schedule[-1]["ctx"])
+        words.append(f"ctx {ctx}, {batch}")
+    return words
+
+
+def measured_at(entry: dict) -> str:
+    """``16``, or ``batch 16, ctx 4096`` for an entry of a profile of several contexts."""
+    if entry.get("ctx") is None:
+        return str(entry["batch_size"])
+    return f"batch {entry['batch_size']}, ctx {entry['ctx']}"
+
+
+def point_words(batch: int, ctx: int | None) -> str:
+    """``batch 16``, or ``batch 16 at ctx 4096`` where a profile names contexts."""
+    return f"batch {batch}" + ("" if ctx is None else f" at ctx {ctx}")
 
 
 def _result_words(results: dict, name: str, unit: str, digits: int) -> str:
@@ -649,9 +680,12 @@ def validate(profile: Path = typer.Argument(..., help="Profile YAML."),
     """Check a profile's types and meaning: limits, intervals, the recommendation and the
     exports (exit 2 with one line naming the first problem)."""
     p = load_profile(profile)
-    sizes = ", ".join(f"{range_words(e.batch_min, e.batch_max, e is p.headline)}: "
+    # One context: "1-3: gamma 5"; several: "ctx 1-362, batch 1-3: gamma 5".
+    ranges = [words.removeprefix("batch ")
+              for words in entry_ranges([e.model_dump() for e in p.schedule])]
+    sizes = ", ".join(f"{where}: "
                       + ("vanilla" if e.config == "vanilla" else f"gamma {e.config.gamma}")
-                      for e in p.schedule)
+                      for e, where in zip(p.schedule, ranges))
     typer.echo(f"{profile}: valid (schema {p.schema_version}; schedule {sizes}; at batch "
                f"{p.headline.batch_size} {tuned_words(p.tuned)}, speedup "
                f"{_result_words(p.results.model_dump(), 'speedup', 'x', 2)}; recommended "
@@ -722,15 +756,13 @@ def _print_profile(p: Profile, profile: Path) -> None:
             typer.echo(f"    cut short: {line}")
     elif len(p.schedule) > 1 or p.not_tuned or p.cut_short:
         typer.echo("  schedule:")
-        for e in p.schedule:
-            what = ("vanilla" if e.config == "vanilla" else
-                    tuned_words(e.config))
-            typer.echo(f"    batch {range_words(e.batch_min, e.batch_max, e is p.headline)}: "
-                       f"{what} (measured at "
-                       f"{e.batch_size}: {_result_words(e.results.model_dump(), 'speedup', 'x', 2)}"
-                       " over vanilla)")
+        entries = [e.model_dump() for e in p.schedule]
+        for e, where in zip(entries, entry_ranges(entries)):
+            what = "vanilla" if e["config"] == "vanilla" else tuned_words(e["config"])
+            typer.echo(f"    {where}: {what} (measured at {measured_at(e)}: "
+                       f"{_result_words(e['results'], 'speedup', 'x', 2)} over vanilla)")
         for item in p.not_tuned:
-            typer.echo(f"    not tuned: batch {item.batch_size}: {item.reason}")
+            typer.echo(f"    not tuned: {point_words(item.batch_size, item.ctx)}: {item.reason}")
         for line in p.cut_short:
             typer.echo(f"    cut short: {line}")
     typer.echo(f"  recommended: {str(p.recommended).lower()}; made {p.provenance.started} by "

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, fields
 import torch
 
 from vegas_core import SpecConfig, generate
-from vegas_core.graphs import forget_kept_graphs, static_steps
+from vegas_core.graphs import forget_kept_graphs, release_workspace, static_steps
 from vegas_core.loading import LoadedModel
 from vegas_core.prefill import PrefixCache
 from vegas_tune.datasets import Prompt
@@ -146,6 +146,13 @@ class Measurer:
         kept = static_steps(model.device)
         self.prefix_cache = PrefixCache() if len(workload.batches()) > 1 or not kept else None
         self._warned_short = False
+
+    def release(self) -> None:
+        """Free what this workload keeps between measurements: its prompts' K/V copies
+        and the model's kept cache and graphs. A later measurement computes them again."""
+        if self.prefix_cache is not None:
+            self.prefix_cache = PrefixCache()
+        release_workspace(self.model.net)
 
     def forget_kept_graphs(self) -> bool:
         """Free the graphs and static buffers kept for configurations measured before

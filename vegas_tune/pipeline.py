@@ -21,8 +21,10 @@ from vegas_core.loading.header import read_model_header
 from vegas_tune.datasets import Prompt, dataset_fingerprint, load_prompts
 from vegas_tune.hardware import fingerprint
 from vegas_tune.measure import Measurer, Workload
-from vegas_tune.profile import (SCHEMA_VERSION, VANILLA, Tuned, build_exports, load_profile,
-                                profile_from_dict, profile_to_dict, write_profile)
+from vegas_core.schedule import context_bands
+from vegas_tune.profile import (CONTEXT_ENTRY_KEYS, SCHEMA_VERSION, VANILLA, Tuned,
+                                build_exports, load_profile, profile_from_dict,
+                                profile_to_dict, write_profile)
 from vegas_tune.report import (plot_acceptance_vs_budget, plot_throughput_vs_batch,
                                plot_throughput_vs_gamma, write_report, write_trials_table)
 from vegas_tune.progress import ProgressCallback
@@ -110,7 +112,7 @@ def run_tune(settings: TuneSettings,
     out, storage, study_name = study_location(settings, hardware)
     stem = out.with_suffix("")
     # The CLI has checked these with the names they came from; callers of this API have not.
-    check_values({**vars(settings.options), "ctx": settings.ctx,
+    check_values({**vars(settings.options), "ctx": settings.contexts,
                   "batch_size": settings.batch_sizes,
                   "max_new_tokens": settings.max_new_tokens,
                   "num_prompts": settings.num_prompts, "temperature": settings.temperature,
@@ -122,7 +124,7 @@ def run_tune(settings: TuneSettings,
     # Every input that needs no weights is checked here, before anything is written and
     # before the model loads: the dataset's records become prompts by the tokenizer of
     # the model's header. (A hub id has no header before it is resolved: after loading.)
-    prompts = prepare_workload(settings, layout)
+    prompts = prepare_workload(settings, layout)  # by context
     with removed_on_refusal(storage):
         # Refuse a --resume of another workload (or a rerun without --resume) before loading.
         check_study(None, storage, study_name, resume=settings.resume,
@@ -142,30 +144,29 @@ def run_tune(settings: TuneSettings,
                 raise VegasError(f"{settings.model} has no tokenizer; the tuner needs one to "
                                  "build prompts")
             check_positions(settings, model.config.max_position_embeddings)
-            prompts = load_prompts(model.tokenizer, settings.dataset, settings.ctx,
-                                   prompt_count(settings, layout), settings.seed)
-        if layout is None:
-            measurers = {}
-            for size in settings.batch_sizes:
-                own = prompts[:distinct_prompts(settings.num_prompts, (size,))]
-                measurers[size] = Measurer(model, Workload(own, size, settings.max_new_tokens,
-                                                           settings.temperature, settings.seed))
-        else:
-            measurers = span_measurers(model, settings, layout, prompts)
-        log.info("model %s on %s; %d prompts of %d tokens from %s; batch sizes %s; study %s "
-                 "in %s", model.label, hardware.get("gpu_name") or "CPU", len(prompts),
-                 settings.ctx, settings.dataset, ", ".join(map(str, settings.batch_sizes)),
-                 study_name, storage)
+            prompts = build_prompts(model.tokenizer, settings, layout)
+        measurers = {ctx: (context_measurers(model, settings, own) if layout is None
+                           else span_measurers(model, settings, layout, own, ctx))
+                     for ctx, own in prompts.items()}
+        log.info("model %s on %s; %d prompts of %s tokens from %s; batch sizes %s; study %s "
+                 "in %s", model.label, hardware.get("gpu_name") or "CPU",
+                 len(prompts[settings.ctx]), ", ".join(map(str, settings.contexts)),
+                 settings.dataset, ", ".join(map(str, settings.batch_sizes)), study_name,
+                 storage)
+        every_prompt = [prompt for own in prompts.values() for prompt in own]
         fp = {**settings_fingerprint(settings, hardware),
               "dtype": str(model.dtype).removeprefix("torch."),
-              "dataset_sha256": dataset_fingerprint(prompts)}
+              "dataset_sha256": dataset_fingerprint(every_prompt)}
         tuner = Tuner(measurers, storage, study_name, settings.options,
                       resume=settings.resume, new_study=False, fingerprint=fp,
                       progress=progress, started=t0)
         result = tuner.run()
 
-    schedule = build_schedule(result.sizes, CONFIDENCE)
+    schedule = context_schedule(result.sizes, settings.several_contexts, CONFIDENCE)
     head = schedule[-1]
+    # The longest context with entries: the headline's (the profile's ctx, its exports').
+    tuned_contexts = sorted({size.ctx for size in result.sizes})
+    ctx = tuned_contexts[-1]
     recommended = head["config"] != VANILLA
     tuned = head["config"] if recommended else head["measured"]
     profile = {
@@ -176,22 +177,25 @@ def run_tune(settings: TuneSettings,
         "model": {"id": settings.model, "path": model_path_record(settings.model, model.path),
                   "architecture": model.config.family, "dtype": str(model.dtype).removeprefix("torch."),
                   "weights_sha256": weights_sha256(model.path), "dummy": model.is_dummy},
-        "workload": {"ctx": settings.ctx, "batch_size": head["batch_size"],
+        "workload": {"ctx": ctx, "batch_size": head["batch_size"],
                      "batch_sizes": list(settings.batch_sizes),
                      "max_new_tokens": settings.max_new_tokens,
                      "temperature": settings.temperature, "dataset": settings.dataset,
-                     "dataset_sha256": dataset_fingerprint(prompts),
-                     "num_prompts": len(prompts),
+                     "dataset_sha256": dataset_fingerprint(every_prompt),
+                     "num_prompts": len(prompts[ctx]),
                      **({"spans": layout.spans, "span_tokens": layout.span_tokens,
                          "span_warmup_iterations": layout.warmup_iterations} if layout
-                       else {})},
+                       else {}),
+                     **({"contexts": tuned_contexts} if settings.several_contexts else {})},
         "hardware": hardware,
         "results": head["results"],
         "schedule": schedule,
-        "not_tuned": [{"batch_size": b, "reason": why} for b, why in result.not_tuned],
+        "not_tuned": [{"batch_size": n.batch_size, "reason": n.reason,
+                       **({"ctx": n.ctx} if settings.several_contexts else {})}
+                      for n in result.not_tuned],
         "cut_short": result.cut_short,
         "steps": [{"name": s.name, "study": s.study, "batch_size": s.batch_size,
-                   "trials": s.trials, "chosen": s.chosen, "notes": s.notes,
+                   "ctx": s.ctx, "trials": s.trials, "chosen": s.chosen, "notes": s.notes,
                    "predictions": s.predictions, "within_noise": s.within_noise,
                    "edges": s.edges}
                   for s in result.steps],
@@ -200,7 +204,7 @@ def run_tune(settings: TuneSettings,
                        "duration_seconds": round(time.monotonic() - t0, 1),
                        "engine_path": attention_backend(model.device)},
         "exports": build_exports(HUB_IDS.get(settings.model, settings.model), Tuned(**tuned),
-                                 head["batch_size"], settings.ctx + settings.max_new_tokens,
+                                 head["batch_size"], ctx + settings.max_new_tokens,
                                  settings.options.target).model_dump(),
     }
     validated = profile_from_dict(profile, source=str(out))
@@ -212,7 +216,8 @@ def run_tune(settings: TuneSettings,
     summary = {"profile": str(out), "target": settings.options.target,
                "recommended": recommended, "tuned": tuned,
                "results": profile["results"],
-               "schedule": [{k: e[k] for k in ("batch_min", "batch_max", "batch_size", "config")}
+               "schedule": [{k: e[k] for k in ("batch_min", "batch_max", "batch_size",
+                                               *CONTEXT_ENTRY_KEYS, "config") if k in e}
                             | {"speedup": e["results"]["speedup"],
                                "speedup_interval": e["results"]["speedup_interval"]}
                             for e in schedule],
@@ -223,6 +228,26 @@ def run_tune(settings: TuneSettings,
     return summary, 0 if recommended else EXIT_NOT_RECOMMENDED
 
 
+def build_prompts(tokenizer, settings: TuneSettings,
+                  layout: SpanLayout | None) -> dict[int, list[Prompt]]:
+    """The workload's prompts at each context of ``settings.contexts``, ascending."""
+    count = prompt_count(settings, layout)
+    return {ctx: load_prompts(tokenizer, settings.dataset, ctx, count, settings.seed)
+            for ctx in settings.contexts}
+
+
+def context_measurers(model, settings: TuneSettings,
+                      prompts: list[Prompt]) -> dict[int, Measurer]:
+    """A measurer per batch size on ``prompts`` (one context's): each size decodes the
+    first ``distinct_prompts`` of them."""
+    measurers = {}
+    for size in settings.batch_sizes:
+        own = prompts[:distinct_prompts(settings.num_prompts, (size,))]
+        measurers[size] = Measurer(model, Workload(own, size, settings.max_new_tokens,
+                                                   settings.temperature, settings.seed))
+    return measurers
+
+
 def prompt_count(settings: TuneSettings, layout: SpanLayout | None) -> int:
     """Distinct prompts the workload needs: one per sequence of the largest batch (at
     least ``--num-prompts``), or, for long generations, one per ``layout.spans`` rows."""
@@ -231,10 +256,11 @@ def prompt_count(settings: TuneSettings, layout: SpanLayout | None) -> int:
 
 
 def span_measurers(model, settings: TuneSettings, layout: SpanLayout,
-                   prompts: list[Prompt]) -> dict[int, Measurer]:
-    """A measurer per batch size for a long-generation workload: every prompt decoded
-    once to the deepest span (vegas_tune.spans), then each batch size's rows, a (prompt,
-    span) pair each, as many as a trial decodes (``distinct_prompts`` rows)."""
+                   prompts: list[Prompt], ctx: int) -> dict[int, Measurer]:
+    """A measurer per batch size for a long-generation workload at context ``ctx``
+    (``prompts`` are of that length): every prompt decoded once to the deepest span
+    (vegas_tune.spans), then each batch size's rows, a (prompt, span) pair each, as many
+    as a trial decodes (``distinct_prompts`` rows)."""
     log.info("long generations: %s; decoding %d prompts %d tokens deep once for their "
              "contexts", layout.words(), len(prompts), layout.reference_tokens)
     started = time.monotonic()
@@ -251,13 +277,13 @@ def span_measurers(model, settings: TuneSettings, layout: SpanLayout,
         measurers[size] = Measurer(model, Workload(
             own, size, layout.max_new_tokens, settings.temperature, settings.seed,
             warmup_iterations=layout.warmup_iterations,
-            positions=settings.ctx + settings.max_new_tokens))
+            positions=ctx + settings.max_new_tokens))
     return measurers
 
 
 def prepare_workload(settings: TuneSettings,
-                     layout: SpanLayout | None) -> list[Prompt] | None:
-    """The workload's prompts, built and checked without the model's weights: its config
+                     layout: SpanLayout | None) -> dict[int, list[Prompt]] | None:
+    """The workload's prompts by context, built and checked without the model's weights: its config
     (positions) and tokenizer come from its header (``read_model_header``). Raises
     ``VegasError`` for a model, context or dataset the run would refuse after loading:
     a model without a tokenizer, ctx + new tokens beyond the model's positions, a
@@ -273,12 +299,12 @@ def prepare_workload(settings: TuneSettings,
         raise VegasError(f"{settings.model} has no tokenizer; the tuner needs one to build "
                          "prompts")
     check_positions(settings, header.config.max_position_embeddings)
-    return load_prompts(header.tokenizer, settings.dataset, settings.ctx,
-                        prompt_count(settings, layout), settings.seed)
+    return build_prompts(header.tokenizer, settings, layout)
 
 
 def check_positions(settings: TuneSettings, limit: int) -> None:
-    """The prompts and the tokens generated after them fit the model's ``limit``."""
+    """The prompts and the tokens generated after them fit the model's ``limit`` (at the
+    longest context, ``settings.ctx``)."""
     if settings.ctx + settings.max_new_tokens > limit:
         raise VegasError(f"--ctx {settings.ctx} + --max-new-tokens {settings.max_new_tokens} "
                          f"exceeds {settings.model}'s maximum of {limit} positions; lower --ctx")
@@ -312,6 +338,20 @@ def removed_on_refusal(storage: str) -> Iterator[None]:
             except OSError:
                 break  # something else was written there: not ours to remove
         raise
+
+
+def context_schedule(sizes: list, several_contexts: bool, confidence: float) -> list[dict]:
+    """Schedule entries (profile data) from the tuner's results: ``build_schedule``'s at
+    one context; at several, a band of them per context with entries, shortest first,
+    each entry naming its band's contexts (``context_bands``) and the context measured."""
+    contexts = sorted({size.ctx for size in sizes})
+    if not several_contexts:
+        return build_schedule(sizes, confidence)
+    schedule = []
+    for ctx, (low, high) in zip(contexts, context_bands(contexts)):
+        band = build_schedule([size for size in sizes if size.ctx == ctx], confidence)
+        schedule += [{**entry, "ctx_min": low, "ctx_max": high, "ctx": ctx} for entry in band]
+    return schedule
 
 
 def build_schedule(sizes: list, confidence: float) -> list[dict]:
@@ -380,6 +420,7 @@ def settings_fingerprint(settings: TuneSettings, hardware: dict) -> dict:
     return {"model": settings.model, "device": hardware.get("gpu_name") or "cpu",
             "hardware": {k: hardware.get(k) for k in STUDY_HARDWARE_KEYS},
             "ctx": settings.ctx, "dataset": settings.dataset, "num_prompts": settings.num_prompts,
+            **({"contexts": list(settings.contexts)} if settings.several_contexts else {}),
             **({"spans": settings.spans, "span_tokens": settings.span_tokens}
                if settings.spans else {}),
             "batch_sizes": list(settings.batch_sizes), "max_new_tokens": settings.max_new_tokens,
@@ -416,17 +457,23 @@ def write_artifacts(profile: dict, result, stem: Path,
         return stem.with_name(stem.name + suffix)
 
     head_batch = profile["workload"]["batch_size"]
+    # A tune of several contexts plots the headline's context (the longest tuned).
+    head_ctx = (profile.get("schedule") or [{}])[-1].get("ctx")
     race = next((step for step in profile["steps"]
-                 if step["name"] == RACE and step.get("batch_size") == head_batch), {})
+                 if step["name"] == RACE and step.get("batch_size") == head_batch
+                 and step.get("ctx") == head_ctx), {})
     trials_path = write_trials_table(result.trials, beside(".trials.csv"))
+    at_head_ctx = [t for t in result.trials if t.get("ctx") == head_ctx]
     acceptance = beside(".acceptance.png")
-    plot_acceptance_vs_budget(result.trials, acceptance, tuned=profile["tuned"], batch=head_batch)
+    plot_acceptance_vs_budget(at_head_ctx, acceptance, tuned=profile["tuned"], batch=head_batch)
     throughput = beside(".throughput.png")
-    head_trials = [t for t in result.trials if t.get("batch_size") in (None, head_batch)]
+    head_trials = [t for t in at_head_ctx if t.get("batch_size") in (None, head_batch)]
     plot_throughput_vs_gamma(race.get("predictions") or [], throughput, tuned=profile["tuned"],
                              results=profile["results"], trials=head_trials)
     by_batch = beside(".batch.png")
-    plot_throughput_vs_batch(profile, by_batch)
+    plot_throughput_vs_batch(profile if head_ctx is None else
+                             {**profile, "schedule": [e for e in profile["schedule"]
+                                                      if e.get("ctx") == head_ctx]}, by_batch)
     report = write_report(profile, result.trials, beside(".report.md"),
                           {"acceptance vs budget": acceptance.name,
                            "throughput vs gamma": throughput.name,

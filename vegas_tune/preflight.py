@@ -88,7 +88,10 @@ def check_values(values: Mapping[str, Any], labels: Mapping[str, str] | None = N
     if spans:  # raises naming the options when the spans do not fit the generation
         SpanLayout(value("max_new_tokens"), value("spans"),
                    value("span_tokens") or DEFAULT_SPAN_TOKENS)
-    budgets, ctx = value("budgets"), value("ctx")
+    # ctx may be a list of contexts (one tune across contexts): the budgets must leave
+    # the shortest something sparse to search.
+    budgets, contexts = value("budgets"), value("ctx")
+    ctx = min(contexts) if isinstance(contexts, (list, tuple)) else contexts
     if budgets and ctx and spans and min(budgets) >= ctx + value("max_new_tokens"):
         raise VegasError(f"{_label(labels, 'budgets')} {','.join(map(str, budgets))}: every "
                          f"budget covers the whole generation of {_label(labels, 'ctx')} + "
@@ -287,8 +290,8 @@ def check_model_size(spec: str, device, dtype, *, ctx: int, max_new_tokens: int,
 def check_tune(settings, labels: Mapping[str, str] | None = None) -> None:
     """Everything about a ``TuneSettings`` that can be known before loading the model:
     device and dtype, dataset, the model's positions and memory at the largest batch
-    size (its config read without the weights), the profile's and the storage's paths.
-    Run after ``check_values``; the dataset's contents are checked by
+    size and the longest context (its config read without the weights), the profile's
+    and the storage's paths. Run after ``check_values``; the dataset's contents are checked by
     ``pipeline.prepare_workload``."""
     labels = labels or {}
     device, dtype = check_device(settings.device, settings.dtype, labels)
@@ -297,7 +300,8 @@ def check_tune(settings, labels: Mapping[str, str] | None = None) -> None:
     except VegasError as e:
         raise named(_label(labels, "dataset"), e) from None
     # The verify pass writes gamma + 1 slots past the generated tokens. The largest size
-    # is checked: the estimate (weights and KV cache) is what any size needs at least.
+    # at the longest context (settings.ctx) is checked: the estimate (weights and KV
+    # cache) is what any (context, size) needs at least.
     check_model_size(settings.model, device, dtype, ctx=settings.ctx,
                      max_new_tokens=settings.max_new_tokens,
                      batch_size=max(settings.batch_sizes),

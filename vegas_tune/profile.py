@@ -413,6 +413,8 @@ class StepSummary(_Strict):
     study: str
     # The batch size the step measured at; None for a step shared by every size.
     batch_size: int | None = Field(default=None, ge=1)
+    # The context it measured at, in a profile tuned at several contexts; None otherwise.
+    ctx: int | None = Field(default=None, ge=1)
     trials: int = Field(ge=0)
     chosen: dict[str, Scalar]
     notes: str = ""
@@ -883,7 +885,7 @@ def profile_to_dict(profile: Profile) -> dict[str, Any]:
         if data["workload"].get(key) is None:
             data["workload"].pop(key, None)
     # Context keys only in a profile tuned at several contexts.
-    for item in (*data["schedule"], *data["not_tuned"]):
+    for item in (*data["schedule"], *data["not_tuned"], *data["steps"]):
         for key in CONTEXT_ENTRY_KEYS:
             if item.get(key, 0) is None:
                 item.pop(key)
@@ -1060,7 +1062,7 @@ def diff_profiles(old: Profile, new: Profile, tolerance: float) -> ProfileDiff:
     """Compare two profiles; ``tolerance`` is the allowed relative drop (0.05 = 5%).
 
     Regressions are judged per batch size that both schedules measured (entries matched
-    by ``batch_size``): ``tokens_per_second``, ``speedup`` or ``mean_accepted_length``
+    by ``batch_size``, and ``ctx`` where tuned at several contexts): ``tokens_per_second``, ``speedup`` or ``mean_accepted_length``
     below old x (1 - tolerance); an entry that ran speculatively and now runs vanilla; a
     size the old profile tuned and the new one does not. A profile that was recommended
     and no longer is regresses too.
@@ -1078,10 +1080,11 @@ def diff_profiles(old: Profile, new: Profile, tolerance: float) -> ProfileDiff:
         if before != after:
             diff.changes.append((path, before, after))
 
-    new_entries = {e.batch_size: e for e in new.schedule}
+    # Tuned at several contexts, an entry is a (context, batch size); else ctx is None.
+    new_entries = {(e.ctx, e.batch_size): e for e in new.schedule}
     for entry in old.schedule:
-        batch = entry.batch_size
-        now = new_entries.get(batch)
+        batch = f"{entry.batch_size}" + ("" if entry.ctx is None else f" at ctx {entry.ctx}")
+        now = new_entries.get((entry.ctx, entry.batch_size))
         if now is None:
             diff.regressions.append(f"batch {batch}: tuned in the old profile, not in the new one")
             continue

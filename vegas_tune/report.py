@@ -19,7 +19,7 @@ from vegas_core.errors import VegasError
 from vegas_core.schedule import range_words
 
 # Columns that lead the trials table, in this order; any other keys follow.
-TRIAL_COLUMNS = ("step", "batch_size", "number", "state", "config", "chosen", "drafter", "score",
+TRIAL_COLUMNS = ("step", "batch_size", "ctx", "number", "state", "config", "chosen", "drafter", "score",
                  "window", "budget", "gamma", "sparsity", "min_tokens", "collect",
                  "granularity", "mean_accepted_length", "tokens_per_second", "speedup")
 TABLE_FORMATS = (".csv", ".parquet")
@@ -508,7 +508,8 @@ def _changes(profile: dict, previous: dict | None) -> str:
 
 def _title(profile: dict) -> str:
     model = (profile.get("model") or {}).get("id", MISSING)
-    ctx = (profile.get("workload") or {}).get("ctx", MISSING)
+    workload = profile.get("workload") or {}
+    ctx = ", ".join(map(str, workload.get("contexts") or [workload.get("ctx", MISSING)]))
     return f"# Vegas tuning: {model} on {_gpu_label(profile.get('hardware') or {})}, ctx {ctx}"
 
 
@@ -525,9 +526,9 @@ def _summary(profile: dict) -> str:
     results = profile.get("results") or {}
     tuned = profile.get("tuned") or {}
     schedule = profile.get("schedule") or []
-    batch = (profile.get("workload") or {}).get("batch_size")
-    at = f" at batch {batch}, the largest size tuned" if len(schedule) > 1 else ""
-    others = " (the schedule below covers the other sizes)" if at else ""
+    at = f" at {_headline_words(profile)}" if len(schedule) > 1 else ""
+    others = (f" (the schedule below covers the other "
+              f"{'contexts and sizes' if _head_ctx(profile) else 'sizes'})" if at else "")
     target = f" (tuned for {profile['target']})" if profile.get("target") else ""
     if profile.get("recommended"):
         lines = [f"**Recommended{at}**{others}{target}: {_pairs(tuned)}."]
@@ -597,8 +598,10 @@ def _race(profile: dict, trials: list[dict]) -> str:
     """The race at the headline size: every raced configuration beside vanilla, each
     figure with its interval; the pick and the best streaming configuration marked."""
     batch = (profile.get("workload") or {}).get("batch_size")
+    head_ctx = _head_ctx(profile)
     rows = [t for t in trials if t.get("step") == RACE_STEP and t.get("config")
-            and t.get("state", COMPLETE) == COMPLETE and t.get("batch_size") in (None, batch)]
+            and t.get("state", COMPLETE) == COMPLETE and t.get("batch_size") in (None, batch)
+            and t.get("ctx") == head_ctx]
     if not rows:
         return ""
     latest = max(t.get("number") or 0 for t in rows)
@@ -627,7 +630,7 @@ def _race(profile: dict, trials: list[dict]) -> str:
              "interval fell wholly below the leader's stopped early (fewer rounds); the pick "
              "is the highest mean of those that ran to the end.")
     if len(profile.get("schedule") or []) > 1:
-        intro = f"At batch {batch}, the largest size tuned. " + intro
+        intro = f"At {_headline_words(profile)}. " + intro
     return ("## Race\n\n" + intro + "\n\n"
             + _table(["configuration", "tokens/s", "speedup vs vanilla",
                       "mean accepted length", "rounds"], table))
@@ -654,7 +657,23 @@ def _steps_table(steps: list[dict]) -> str:
 
 def _batch_cell(step: dict) -> str:
     batch = step.get("batch_size")
-    return "all" if batch is None else _cell(batch)
+    ctx = "" if step.get("ctx") is None else f" at ctx {step['ctx']}"
+    return ("all" if batch is None else _cell(batch)) + ctx
+
+
+def _head_ctx(profile: dict) -> int | None:
+    """The context the headline was measured at; None in a profile of one context."""
+    schedule = profile.get("schedule") or [{}]
+    return schedule[-1].get("ctx")
+
+
+def _headline_words(profile: dict) -> str:
+    """``batch 64, the largest size tuned`` (``, at ctx 32768, the longest context`` in a
+    profile of several contexts)."""
+    batch = (profile.get("workload") or {}).get("batch_size")
+    ctx = _head_ctx(profile)
+    longest = "" if ctx is None else f", at ctx {ctx}, the longest context"
+    return f"batch {batch}, the largest size tuned{longest}"
 
 
 def _within_noise(steps: list[dict], results: dict) -> str:
@@ -705,8 +724,14 @@ def _predictions_tables(steps: list[dict]) -> str:
 def _step_label(step: dict) -> str:
     """``gamma @ batch 64``, or the bare name for a step shared by every size."""
     name = _cell(step.get("name", MISSING))
-    batch = step.get("batch_size")
-    return name if batch is None else f"{name} @ batch {batch}"
+    return _at(name, step.get("batch_size"), step.get("ctx"))
+
+
+def _at(name: str, batch, ctx) -> str:
+    """``race @ batch 64``, ``race @ batch 64, ctx 4096``; the bare name without either."""
+    where = ([f"batch {batch}"] if _is_number(batch) else []) + (
+        [f"ctx {ctx}"] if _is_number(ctx) else [])
+    return f"{name} @ {', '.join(where)}" if where else name
 
 
 def _prediction_error(prediction: dict) -> float | None:
@@ -779,19 +804,28 @@ def _miss_reason(prediction: dict, error: float) -> str:
 
 
 def _schedule(profile: dict) -> str:
-    """The schedule by batch size: what each range runs, its figures measured at one
-    size, and a sentence saying why it was chosen."""
+    """The schedule by batch size (by context, then batch size, in a profile of several
+    contexts): what each range runs, its figures measured at one size, and a sentence
+    saying why it was chosen."""
     entries = profile.get("schedule") or []
     if not entries:
         return ""
+    banded = entries[0].get("ctx") is not None
     rows, reasons = [], []
     for index, e in enumerate(entries):
         r = e.get("results") or {}
-        span = range_words(e.get("batch_min"), e.get("batch_max"), index == len(entries) - 1)
+        following = entries[index + 1] if index + 1 < len(entries) else None
+        band_ends = following is None or following.get("ctx") != e.get("ctx")
+        span = range_words(e.get("batch_min"), e.get("batch_max"), band_ends)
+        measured = _cell(e.get("batch_size"))
+        if banded:
+            last_band = e.get("ctx") == entries[-1].get("ctx")
+            span = f"ctx {range_words(e.get('ctx_min'), e.get('ctx_max'), last_band)}, batch {span}"
+            measured += f" at ctx {_cell(e.get('ctx'))}"
         config = e.get("config")
         runs = ("vanilla" if config == VANILLA_CONFIG
                 else f"{_configuration_words(config)}, gamma {config.get('gamma')}")
-        rows.append([span, _cell(e.get("batch_size")), _cell(runs),
+        rows.append([span, measured, _cell(runs),
                      _mean_interval(r, "vanilla_tokens_per_second", ".1f"),
                      _mean_interval(r, "streaming_tokens_per_second", ".1f"),
                      _mean_interval(r, "tokens_per_second", ".1f"),
@@ -805,11 +839,17 @@ def _schedule(profile: dict) -> str:
              "the best streaming configuration found there; a range runs it only when its "
              "speedup's "
              f"{_level(entries[-1].get('results') or {})}interval lies wholly above 1.")
-    table = _table(["batch", "measured at", "runs", "vanilla tokens/s",
-                    "best streaming tokens/s", "best speculative tokens/s", "vs vanilla",
-                    "vs best streaming", "accepted"], rows)
-    return "## Schedule by batch size\n\n" + intro + "\n\n" + table + "\n\n" + "\n".join(
-        reasons)
+    if banded:
+        intro = ("One band of entries per context tuned, shortest first: a band covers the "
+                 "contexts (tokens per live sequence) nearer its own than its neighbours' "
+                 "(boundaries at their geometric mean; contexts above the last band use it). "
+                 "Within a band, " + intro[0].lower() + intro[1:])
+    table = _table(["context and batch" if banded else "batch", "measured at", "runs",
+                    "vanilla tokens/s", "best streaming tokens/s",
+                    "best speculative tokens/s", "vs vanilla", "vs best streaming",
+                    "accepted"], rows)
+    title = "## Schedule by context and batch size" if banded else "## Schedule by batch size"
+    return title + "\n\n" + intro + "\n\n" + table + "\n\n" + "\n".join(reasons)
 
 
 def _cut_short(profile: dict) -> str:
@@ -827,7 +867,9 @@ def _cut_short(profile: dict) -> str:
         if cut:
             lines.append("")
         lines.append("Batch sizes without a schedule entry:")
-        lines += [f"- batch {item.get('batch_size')}: {item.get('reason')}" for item in not_tuned]
+        lines += [f"- batch {item.get('batch_size')}"
+                  + ("" if item.get("ctx") is None else f" at ctx {item['ctx']}")
+                  + f": {item.get('reason')}" for item in not_tuned]
     return "\n".join(lines)
 
 
@@ -836,9 +878,8 @@ def _best_trials(trials: list[dict]) -> str:
     for trial in trials:
         # The race's rows are the Race table.
         if trial.get("step") != RACE_STEP:
-            batch = trial.get("batch_size")
-            label = str(trial.get("step", MISSING)) + (
-                "" if not _is_number(batch) else f" @ batch {batch}")
+            label = _at(str(trial.get("step", MISSING)), trial.get("batch_size"),
+                        trial.get("ctx"))
             by_step.setdefault(label, []).append(trial)
     tables = []
     for step, step_trials in by_step.items():

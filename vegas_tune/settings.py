@@ -8,6 +8,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from vegas_core.errors import VegasError
 from vegas_tune.hardware import gpu_slug
 from vegas_tune.options import TuneOptions
 from vegas_tune.spans import DEFAULT_SPAN_TOKENS, SpanLayout
@@ -19,7 +20,7 @@ class TuneSettings:
     search's ``TuneOptions``."""
 
     model: str
-    ctx: int
+    ctx: int  # the longest context tuned (the headline's)
     dataset: str
     out: Path | None
     device: str
@@ -39,6 +40,19 @@ class TuneSettings:
     # spread over max_new_tokens; 0 decodes every new token from the prompt.
     spans: int = 0
     span_tokens: int = DEFAULT_SPAN_TOKENS
+    # Every context to tune (--ctx 4k,16k,32k), ascending, the last ``ctx``; empty: ``ctx``
+    # alone.
+    contexts: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        self.contexts = tuple(sorted(set(self.contexts))) or (self.ctx,)
+        if self.contexts[-1] != self.ctx:
+            raise VegasError(f"ctx {self.ctx} is not the longest of contexts "
+                             f"{list(self.contexts)}; give ctx=max(contexts)")
+
+    @property
+    def several_contexts(self) -> bool:
+        return len(self.contexts) > 1
 
     def span_layout(self) -> SpanLayout | None:
         """Where a trial's spans lie in the generation; None without spans."""
@@ -59,9 +73,14 @@ def ctx_label(ctx: int) -> str:
     return f"{ctx // 1024}k" if ctx % 1024 == 0 else str(ctx)
 
 
+def contexts_label(contexts: tuple[int, ...]) -> str:
+    """(4096,) -> '4k'; (4096, 16384, 32768) -> '4k-16k-32k'."""
+    return "-".join(map(ctx_label, contexts))
+
+
 def default_out(settings: TuneSettings, hardware: dict) -> Path:
-    """``profiles/<model>/<gpu>-<ctx>.yaml``."""
-    name = f"{gpu_slug(hardware)}-{ctx_label(settings.ctx)}.yaml"
+    """``profiles/<model>/<gpu>-<ctx>.yaml`` (every context, ``4k-16k-32k``, for several)."""
+    name = f"{gpu_slug(hardware)}-{contexts_label(settings.contexts)}.yaml"
     return Path("profiles") / model_slug(settings.model) / name
 
 
@@ -70,5 +89,6 @@ def study_location(settings: TuneSettings, hardware: dict) -> tuple[Path, str, s
     out = settings.out or default_out(settings, hardware)
     storage = settings.storage or str(out.with_suffix("")) + ".optuna.journal"
     study_name = (settings.study_name or
-                  f"{model_slug(settings.model)}-{gpu_slug(hardware)}-{ctx_label(settings.ctx)}")
+                  f"{model_slug(settings.model)}-{gpu_slug(hardware)}-"
+                  f"{contexts_label(settings.contexts)}")
     return out, storage, study_name

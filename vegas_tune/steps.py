@@ -78,6 +78,7 @@ class StepResult:
     within_noise: list[dict] = field(default_factory=list)
     batch_size: int | None = None
     edges: list[str] = field(default_factory=list)  # axes whose edge the pick lies on
+    ctx: int | None = None  # the context tuned, in a tune of several (the tuner sets it)
 
 
 def claim_of(spec: SpecConfig | None) -> str:

@@ -1,7 +1,7 @@
 """The optuna side of tuning: storages, studies, and trials that several workers share.
 
 Each step of a tune is an optuna study named ``<study-name>:<step>`` (``@<batch>`` for a
-per-size step) in one storage. ``Studies`` runs a step's trials: a grid of queued points
+per-size step, then ``/ctx<tokens>`` in a tune of several contexts) in one storage. ``Studies`` runs a step's trials: a grid of queued points
 (each measured once, whoever measures it) or sampled trials, until the step has its
 trials and no worker has one of them running.
 
@@ -50,6 +50,9 @@ HEARTBEAT_SECONDS = 60
 # long was left by a process killed in between (optuna had already marked it running).
 UNNAMED_TRIAL_SECONDS = 30
 GRACE_SECONDS = 300
+# Between a study's batch size and its context, in a tune of several contexts:
+# ``<study-name>:sweep@16/ctx4096``.
+CONTEXT_MARK = "/ctx"
 
 
 class BudgetSpent(VegasError):
@@ -153,7 +156,10 @@ class Studies:
     ``fingerprint`` names what the measurements depend on; it is stored with each study.
     ``deadline`` (``time.monotonic()``) ends every step's trials when it passes
     (``BudgetSpent``); ``progress`` receives a ``ProgressEvent`` per finished trial;
-    ``sized`` says whether steps are labelled with their batch size in progress lines."""
+    ``sized`` says whether steps are labelled with their batch size in progress lines.
+    ``context`` is the context being tuned in a tune of several (None in a tune of one,
+    whose study names and labels name none): the tuner sets it before each context's
+    steps, and every study name and label names it."""
 
     def __init__(self, storage: str, study_name: str, fingerprint: dict,
                  deadline: float | None, progress: ProgressCallback | None, sized: bool):
@@ -165,6 +171,7 @@ class Studies:
         self.deadline = deadline
         self.progress = progress
         self.sized = sized
+        self.context: int | None = None
         self.interrupts = DeferredInterrupts()
         self.where: tuple[str, int | None, int] | None = None  # (step, batch, total trials)
         self._waited = 0.0  # seconds spent waiting for other workers in this step
@@ -173,7 +180,8 @@ class Studies:
         return _studies_named(self.storage, self.study_name)
 
     def name(self, step: str, batch: int | None) -> str:
-        return f"{self.study_name}:{step}" + ("" if batch is None else f"@{batch}")
+        return (f"{self.study_name}:{step}" + ("" if batch is None else f"@{batch}")
+                + ("" if self.context is None else f"{CONTEXT_MARK}{self.context}"))
 
     def study(self, step: str, sampler, batch: int | None = None, direction: str = "maximize"):
         import optuna
@@ -227,7 +235,9 @@ class Studies:
                    for t in trials)
 
     def label(self, step: str, batch: int | None) -> str:
-        return f"{step} @ batch {batch}" if batch is not None and self.sized else step
+        where = ([f"ctx {self.context}"] if self.context is not None else []) + (
+            [f"batch {batch}"] if batch is not None and self.sized else [])
+        return f"{step} @ {', '.join(where)}" if where else step
 
     def report(self, step: str, done: int, total: int, best: str | None,
                unit: str = "trials") -> None:
@@ -353,21 +363,23 @@ class Studies:
             waited += POLL_SECONDS / 10
 
     def all_trials(self) -> list[dict]:
-        """Every trial of every step as a flat row with its ``batch_size`` and the
-        configuration it measured (``drafter`` ``vanilla`` for vanilla; ``budget`` is the
+        """Every trial of every step as a flat row with its ``batch_size`` (and ``ctx``, in
+        a tune of several contexts) and the configuration it measured (``drafter`` ``vanilla`` for vanilla; ``budget`` is the
         budget in slots); a race trial becomes one row per configuration (``config``:
         vanilla, c1, c2, ...)."""
         import optuna
 
         rows = []
         for summary in self.ours():
-            step, _, batch = summary.study_name.partition(":")[2].partition("@")
+            step, _, where = summary.study_name.partition(":")[2].partition("@")
+            batch, _, ctx = where.partition(CONTEXT_MARK)
             study = optuna.load_study(study_name=summary.study_name, storage=self.storage)
             for t in study.get_trials(deepcopy=False):
                 if "backed_off" in t.user_attrs:
                     continue  # not a measurement: another trial measured it
                 row = {"step": step, "batch_size": int(batch) if batch else
-                       t.user_attrs.get("batch_size"), "number": t.number,
+                       t.user_attrs.get("batch_size"), **({"ctx": int(ctx)} if ctx else {}),
+                       "number": t.number,
                        "state": t.state.name, "value": t.value, **t.params}
                 spec = {k.removeprefix("spec_"): v for k, v in t.user_attrs.items()
                         if k.startswith("spec_")}

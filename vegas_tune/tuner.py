@@ -1,4 +1,4 @@
-"""The tuner: for each batch size, the best configuration its target can run.
+"""The tuner: for each batch size (and context), the best configuration its target can run.
 
 A configuration is a drafter's selection rule (``vegas_tune.space``: the drafter, and for
 vegas its score and window share), a draft budget in KV slots, and gamma. Each batch size
@@ -13,11 +13,18 @@ Sizes run the largest first (where speculation pays most, and where a run cut sh
 should have its answer), then the rest from the smallest. Below the largest size the
 sweep covers the selections the largest size raced, and streaming.
 
+Several contexts (``--ctx 4k,16k,32k``) repeat that at each: the longest first, then the
+rest from the shortest, each with its own prompts and measurers. The first point tuned
+(the longest context, the largest size) sweeps every selection; every other point, at
+any context, sweeps the selections it raced, and streaming. Each context's studies are
+named with it (``Studies.context``); a tune of one context names none, as before.
+
 Every trial's metrics are stored as user attributes in the studies (``vegas_tune.studies``).
 Finished trials survive a crash or Ctrl-C; a rerun with ``resume`` continues each study
 where it stopped. When the time budget runs out, or on Ctrl-C, ``run`` returns what the
 finished trials support (``TuneResult.cut_short`` says what was cut). A batch size that
 does not fit in memory is recorded in ``TuneResult.not_tuned``; the other sizes go on.
+The time budget covers every context.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -42,27 +50,39 @@ from vegas_tune.studies import BudgetSpent, StepFailed, Studies, check_study
 
 log = logging.getLogger("vegas_tune")
 
+# The shortest --ctx taken, in tokens.
+MIN_CONTEXT = 16
+
 
 @dataclass
 class SizeResult:
-    """What was measured at one batch size.
+    """What was measured at one batch size (and context).
 
     ``spec``: the best speculative configuration measured there; ``figures``: its
     results in the profile's ``Results`` shape (``<name>`` and ``<name>_interval``),
     with null where not measured (streaming, when the run was cut before the race;
-    intervals, when measured once)."""
+    intervals, when measured once). ``ctx``: the context (``--ctx``) it was tuned at."""
 
     batch_size: int
     spec: SpecConfig
     figures: dict
+    ctx: int
+
+
+class NotTuned(NamedTuple):
+    """A (context, batch size) with no result, and why."""
+
+    ctx: int
+    batch_size: int
+    reason: str
 
 
 @dataclass
 class TuneResult:
-    sizes: list[SizeResult]  # ascending; the sizes with a measurement
+    sizes: list[SizeResult]  # by context, then batch size, ascending; those measured
     steps: list[StepResult]
     trials: list[dict]  # every trial of every step, flat, for the report
-    not_tuned: list[tuple[int, str]] = field(default_factory=list)  # (batch size, why)
+    not_tuned: list[NotTuned] = field(default_factory=list)  # ascending, as ``sizes``
     cut_short: list[str] = field(default_factory=list)  # steps stopped early, in words
     interrupted: bool = False  # stopped by Ctrl-C (else finished or out of time)
 
@@ -86,130 +106,187 @@ def usable_budgets(budgets: tuple[int, ...], ctx: int) -> tuple[int, ...]:
     return kept
 
 
+@dataclass
+class ContextWorkload:
+    """What every search at one context shares: ``prompt_tokens``, the context a budget is
+    judged sparse against (the prompt; for spans, the deepest span's context: shallower
+    spans draft densely where a budget covers them, as the start of a real generation
+    does), the budgets below it, and the engine's longest prefix for the workload."""
+
+    prompt_tokens: int
+    budgets: tuple[int, ...]
+    longest_prefix: int
+
+    @classmethod
+    def of(cls, workload, budgets: tuple[int, ...]) -> ContextWorkload:
+        prompt_tokens = max(len(p.ids) for p in workload.prompts)
+        return cls(prompt_tokens, usable_budgets(budgets, prompt_tokens),
+                   longest_prefix(workload.longest_sequence, 0))
+
+
 class Tuner:
     """Runs the steps; ``progress`` receives a ``ProgressEvent`` per finished trial.
 
-    ``measurers`` maps each batch size to tune to a ``Measurer`` of that size (same model
-    and prompts). ``fingerprint`` names what the measurements depend on (model, hardware,
-    workload, measurement settings); it is stored with the studies, and resuming a study
-    recorded with another fingerprint is refused. ``new_study`` discards the studies of
-    this name in the storage and starts over. ``started`` (``time.monotonic()``) is when
-    the run began, so that ``options.time_budget`` also covers what came before the
-    tuner (loading the model, building prompts); by default, now.
+    ``measurers`` maps each context to tune (``--ctx``) to a map of each batch size to a
+    ``Measurer`` of that size (one model; prompts of that context). ``fingerprint`` names
+    what the measurements depend on (model, hardware, workload, measurement settings); it
+    is stored with the studies, and resuming a study recorded with another fingerprint is
+    refused. ``new_study`` discards the studies of this name in the storage and starts
+    over. ``started`` (``time.monotonic()``) is when the run began, so that
+    ``options.time_budget`` also covers what came before the tuner (loading the model,
+    building prompts); by default, now.
     """
 
-    def __init__(self, measurers: dict[int, Measurer], storage: str, study_name: str,
-                 options: TuneOptions, *, resume: bool, new_study: bool = False,
-                 fingerprint: dict | None = None, progress: ProgressCallback | None = None,
-                 started: float | None = None):
+    def __init__(self, measurers: dict[int, dict[int, Measurer]], storage: str,
+                 study_name: str, options: TuneOptions, *, resume: bool,
+                 new_study: bool = False, fingerprint: dict | None = None,
+                 progress: ProgressCallback | None = None, started: float | None = None):
         import optuna  # deferred: see vegas_tune.studies
 
         # Optuna logs every failed trial with a traceback; the tuner reports failures itself.
         debug = log.isEnabledFor(logging.DEBUG)
         optuna.logging.set_verbosity(optuna.logging.WARNING if debug else optuna.logging.ERROR)
-        if not measurers:
+        if not measurers or not all(measurers.values()):
             raise VegasError("no batch size to tune")
-        self.measurers = dict(sorted(measurers.items()))
+        self.measurers = {ctx: dict(sorted(by_size.items()))
+                          for ctx, by_size in sorted(measurers.items())}
+        if len({tuple(by_size) for by_size in self.measurers.values()}) > 1:
+            raise VegasError("every context must have the same batch sizes to tune")
         self.options = options
         began = time.monotonic() if started is None else started
         deadline = began + options.time_budget if options.time_budget else None
         check_study(None, storage, study_name, resume=resume, new_study=new_study,
                     fingerprint=fingerprint or {})
         self.studies = Studies(storage, study_name, fingerprint or {}, deadline, progress,
-                               sized=len(self.measurers) > 1)
-        self.steps = Steps(self.studies, Measuring(self.studies, self.measurers, options),
-                           options)
-        workload = next(iter(self.measurers.values())).workload
-        # The context a budget is judged sparse against: the prompt; for spans, the
-        # deepest span's context (shallower spans draft densely where a budget covers
-        # them, as the start of a real generation does).
-        self.ctx = max(len(p.ids) for p in workload.prompts)
+                               sized=len(self.sizes) > 1)
+        workload = next(iter(self.measurers[self.contexts[0]].values())).workload
         self.max_new_tokens = workload.max_new_tokens
         self.warmup_iterations = workload.warmup_iterations
-        self.longest_prefix = longest_prefix(workload.longest_sequence, 0)
-        self.budgets = usable_budgets(options.budgets, self.ctx)
+        self.context = self.contexts[-1]  # where the run starts (``order``)
+        self.workloads = {ctx: ContextWorkload.of(next(iter(by_size.values())).workload,
+                                                  options.budgets)
+                          for ctx, by_size in self.measurers.items()}
+
+    @property
+    def contexts(self) -> list[int]:
+        return list(self.measurers)
 
     @property
     def sizes(self) -> list[int]:
-        return list(self.measurers)
+        return list(next(iter(self.measurers.values())))
 
-    def order(self) -> list[int]:
-        """The order sizes are tuned in: the largest first (where speculation pays most),
-        then the rest from the smallest, so a run cut short leaves the largest size tuned
-        and the schedule's lower ranges measured."""
-        return self.sizes[-1:] + self.sizes[:-1]
+    @property
+    def several_contexts(self) -> bool:
+        return len(self.measurers) > 1
 
-    def search(self, batch: int, raced: list[Selection] | None = None) -> Search:
-        """What ``batch`` searches: every selection of the target at the largest size;
-        below it, those the largest size raced (``raced``), and streaming."""
+    def order(self) -> list[tuple[int, int]]:
+        """The (context, batch size) pairs in the order they are tuned. Contexts: the
+        longest first, then the rest from the shortest; within each, the largest size
+        first, then the rest from the smallest. Speculation pays most at the longest
+        context and the largest size, so a run cut short has that answer first, then the
+        schedule's lower ranges."""
+        contexts = self.contexts[-1:] + self.contexts[:-1]
+        sizes = self.sizes[-1:] + self.sizes[:-1]
+        return [(ctx, batch) for ctx in contexts for batch in sizes]
+
+    def at_context(self, ctx: int) -> None:
+        """Work at ``ctx`` from now on: every study name and label names it in a tune of
+        several contexts (one context's studies keep the names they had without one)."""
+        self.context = ctx
+        self.studies.context = ctx if self.several_contexts else None
+
+    def search(self, ctx: int, batch: int, raced: list[Selection] | None = None) -> Search:
+        """What ``batch`` searches at ``ctx``: every selection of the target at the first
+        point tuned (the longest context, the largest size); elsewhere, those that point
+        raced (``raced``), and streaming."""
         allowed = selections(self.options.target)
         chosen = allowed if raced is None else [s for s in allowed
                                                 if s in raced or s.drafter == "streaming"]
         limit = gamma_limit(self.max_new_tokens, self.warmup_iterations)
-        return Search(batch, chosen, self.budgets, min(self.options.probe_gamma, limit),
-                      self.longest_prefix, limit, self.ctx)
+        workload = self.workloads[ctx]
+        return Search(batch, chosen, workload.budgets, min(self.options.probe_gamma, limit),
+                      workload.longest_prefix, limit, workload.prompt_tokens)
 
-    def _tune_size(self, search: Search) -> tuple[dict, list[StepResult]]:
-        landscape, sweep = self.steps.sweep(search)
-        landscape, extend = self.steps.extend(landscape, search)
-        landscape, focus = self.steps.focus(landscape, search)
-        race, summary = self.steps.race(landscape, search)
+    def _tune_size(self, steps: Steps, search: Search) -> tuple[dict, list[StepResult]]:
+        landscape, sweep = steps.sweep(search)
+        landscape, extend = steps.extend(landscape, search)
+        landscape, focus = steps.focus(landscape, search)
+        race, summary = steps.race(landscape, search)
         return race, [s for s in (sweep, extend, focus, summary) if s is not None]
 
     def run(self) -> TuneResult:
-        """Every step at every size. When the budget runs out or Ctrl-C stops it, the
-        result holds what the finished trials support (``cut_short`` says what was cut);
-        it raises only when no trial at all has finished."""
+        """Every step at every (context, size). When the budget runs out or Ctrl-C stops
+        it, the result holds what the finished trials support (``cut_short`` says what was
+        cut); it raises only when no trial at all has finished."""
         steps: list[StepResult] = []
-        not_tuned: list[tuple[int, str]] = []
+        not_tuned: list[NotTuned] = []
         cut: list[str] = []
         interrupted = False
-        races: dict[int, dict] = {}
-        searches: dict[int, Search] = {}
+        races: dict[tuple[int, int], dict] = {}
         raced: list[Selection] | None = None
+        context_steps: Steps | None = None  # the steps at self.context
         try:
             # Ctrl-C waits for the storage write in flight: it stops the next measurement.
             with self.studies.interrupts:
-                for batch in self.order():
-                    searches[batch] = self.search(batch, raced)
+                for ctx, batch in self.order():
+                    if context_steps is None or ctx != self.context:
+                        if context_steps is not None:
+                            # Done with the last context: its prompts' K/V would crowd
+                            # this one's (a long context's fill much of a GPU).
+                            _release_context(context_steps.measuring.measurers)
+                        self.at_context(ctx)
+                        context_steps = Steps(self.studies, Measuring(
+                            self.studies, self.measurers[ctx], self.options), self.options)
+                    point = (ctx, batch)
                     try:
-                        races[batch], size_steps = self._tune_size(searches[batch])
+                        races[point], size_steps = self._tune_size(
+                            context_steps, self.search(ctx, batch, raced))
+                        for step in size_steps:
+                            step.ctx = self.studies.context  # None: one context
                         steps += size_steps
                         if raced is None:
-                            raced = [Selection.of(s) for s in races[batch]["specs"].values()]
+                            raced = [Selection.of(s) for s in races[point]["specs"].values()]
                     except (StepFailed, torch.cuda.OutOfMemoryError) as error:
                         if isinstance(error, torch.cuda.OutOfMemoryError):
                             error = f"out of memory: {str(error).splitlines()[0]}"
-                        not_tuned.append((batch, str(error)))
-                        log.warning("batch %d not tuned: %s", batch, error)
-                        _free_device_memory(self.measurers[batch])
+                        not_tuned.append(NotTuned(ctx, batch, str(error)))
+                        log.warning("%s not tuned: %s", self._point_words(ctx, batch), error)
+                        _free_device_memory(self.measurers[ctx][batch])
                 self.studies.interrupts.check()
         except (BudgetSpent, KeyboardInterrupt) as stop:
             interrupted = isinstance(stop, KeyboardInterrupt)
             cut.append(self._cut_words("Ctrl-C" if interrupted else "--time-budget"))
         sizes = []
-        for batch in self.sizes:
-            if any(b == batch for b, _ in not_tuned):
-                continue
-            size = (race_size(batch, races[batch]) if batch in races
-                    else self._partial_size(batch, searches.get(batch)))
-            if size is not None:
-                sizes.append(size)
-            elif cut:
-                not_tuned.append((batch, "not reached: the run was cut short"))
+        failed = {(n.ctx, n.batch_size) for n in not_tuned}
+        for ctx in self.contexts:
+            self.at_context(ctx)
+            for batch in self.sizes:
+                if (ctx, batch) in failed:
+                    continue
+                size = (race_size(batch, races[ctx, batch], ctx) if (ctx, batch) in races
+                        else self._partial_size(ctx, batch))
+                if size is not None:
+                    sizes.append(size)
+                elif cut:
+                    not_tuned.append(NotTuned(ctx, batch, "not reached: the run was cut short"))
         if not sizes and cut:
             if interrupted:
                 raise KeyboardInterrupt
             raise VegasError("--time-budget ran out before any trial finished; raise it or "
                              "tune a smaller workload (--num-prompts, --ctx, --budgets)")
         if not sizes:
-            reasons = "; ".join(f"batch {b}: {why}" for b, why in not_tuned)
+            reasons = "; ".join(f"{self._point_words(n.ctx, n.batch_size)}: {n.reason}"
+                                for n in not_tuned)
             raise VegasError(f"no batch size could be tuned ({reasons}); lower --batch-size "
                              "or --ctx")
-        # Each size's steps in step order, smallest size first (the schedule's order),
-        # whatever order the sizes were tuned in.
-        steps.sort(key=lambda s: s.batch_size)
+        # Each (context, size)'s steps in step order, shortest context and smallest size
+        # first (the schedule's order), whatever order they were tuned in.
+        steps.sort(key=lambda s: (s.ctx or 0, s.batch_size))
         return TuneResult(sizes, steps, self.all_trials(), sorted(not_tuned), cut, interrupted)
+
+    def _point_words(self, ctx: int, batch: int) -> str:
+        """``batch 16``, or ``batch 16 at ctx 4096`` in a tune of several contexts."""
+        return f"batch {batch}" + (f" at ctx {ctx}" if self.several_contexts else "")
 
     def _cut_words(self, by: str) -> str:
         where = self.studies.where
@@ -219,17 +296,24 @@ class Tuner:
         study = self.studies.existing(step, batch)
         done = self.studies.finished(study) if study is not None else 0
         order = self.order()
-        later = order[order.index(batch) + 1:] if batch is not None else []
-        plural = "s" if len(later) > 1 else ""
-        rest = (f"; batch size{plural} {', '.join(map(str, later))} not reached"
-                if later else "")
-        return (f"{step} at batch {batch}: {done} of {total} trials finished when {by} "
+        here = (self.context, batch)
+        later = order[order.index(here) + 1:] if here in order else []
+        sizes = [b for c, b in later if c == here[0]]
+        contexts = list(dict.fromkeys(c for c, _ in later if c != here[0]))
+        missed = ([f"batch size{'s' if len(sizes) > 1 else ''} {', '.join(map(str, sizes))}"]
+                  if sizes else []) + (
+            [f"context{'s' if len(contexts) > 1 else ''} {', '.join(map(str, contexts))}"]
+            if contexts else [])
+        rest = f"; {' and '.join(missed)} not reached" if missed else ""
+        return (f"{step} at {self._point_words(self.context, batch)}: {done} of {total} "
+                f"trials finished when {by} "
                 f"stopped the run{rest}")
 
-    def _partial_size(self, batch: int, search: Search | None) -> SizeResult | None:
+    def _partial_size(self, ctx: int, batch: int) -> SizeResult | None:
         """What a size cut short before its race can say: its fastest sweep run beside
         the sweep's vanilla run, one round each (no interval: it runs vanilla); None when
-        the sweep finished no speculative run."""
+        the sweep finished no speculative run. The studies are at ``ctx``
+        (``at_context``)."""
         study = self.studies.existing(SWEEP, batch)
         done = self.studies.complete(study) if study else []
         runs = [t for t in done if t.user_attrs.get("claim") != VANILLA]
@@ -237,14 +321,14 @@ class Tuner:
             return None
         best = max(runs, key=lambda t: t.user_attrs["tokens_per_second"])
         vanilla = next((t.user_attrs for t in done if t.user_attrs.get("claim") == VANILLA), None)
-        return SizeResult(batch, spec_of(best), _single_figures(best.user_attrs, vanilla))
+        return SizeResult(batch, spec_of(best), _single_figures(best.user_attrs, vanilla), ctx)
 
     def all_trials(self) -> list[dict]:
         return self.studies.all_trials()
 
 
-def race_size(batch: int, race: dict) -> SizeResult:
-    """A size's result from its race: the pick's rounds, vanilla's, and the best
+def race_size(batch: int, race: dict, ctx: int) -> SizeResult:
+    """A size's result at ``ctx`` from its race: the pick's rounds, vanilla's, and the best
     streaming configuration's (the pick itself when it is streaming)."""
     series, name, specs = race["series"], race["chosen"], race["specs"]
     streaming = name if specs[name].drafter == "streaming" else best_of(series, specs,
@@ -252,7 +336,16 @@ def race_size(batch: int, race: dict) -> SizeResult:
     figures = _figures(series[name], series[VANILLA],
                        series[streaming] if streaming else None,
                        over(series, name, streaming) if streaming else None)
-    return SizeResult(batch, specs[name], figures)
+    return SizeResult(batch, specs[name], figures, ctx)
+
+
+def _release_context(measurers: dict[int, Measurer]) -> None:
+    """After a context's last size: free what its measurers keep (prompt K/V copies, the
+    model's kept cache and graphs), so the next context starts from free memory."""
+    for measurer in measurers.values():
+        measurer.release()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _free_device_memory(measurer: Measurer) -> None:
@@ -314,14 +407,35 @@ def warn_if_hard_to_time(decoded_per_measurement: int) -> None:
 
 
 def parse_ctx(text: str | int) -> int:
-    """'2048', '8k', '64k', '128K' -> tokens (k = 1024)."""
-    raw = str(text).strip().lower()
+    """'2048', '8k', '64k', '128K' -> tokens (k = 1024): one context. A list is ``tune``'s
+    alone (``parse_contexts``); the commands that take one context refuse it here."""
+    if "," in str(text):
+        raise VegasError(f"--ctx '{text}': this command takes one context; a list such as "
+                         "4k,16k is for tune")
+    return _context(text, text)
+
+
+def parse_contexts(text: str | int) -> tuple[int, ...]:
+    """'4k,16k,32k' -> (4096, 16384, 32768): the contexts to tune, each as ``parse_ctx``
+    reads one, none twice; returned ascending. One value is a tuple of one."""
+    values = [_context(part, text) for part in str(text).split(",")]
+    repeated = sorted({v for v in values if values.count(v) > 1})
+    if repeated:
+        raise VegasError(f"--ctx '{text}': {repeated[0]} tokens is given twice; list each "
+                         "context once")
+    return tuple(sorted(values))
+
+
+def _context(part: str | int, given: str | int) -> int:
+    """One context of ``given`` (the whole ``--ctx`` text, for the message) in tokens."""
+    raw = str(part).strip().lower()
     try:
         value = int(raw[:-1]) * 1024 if raw.endswith("k") else int(raw)
     except ValueError:
-        raise VegasError(f"--ctx '{text}' is not a token count; use e.g. 2048, 8k or 64k") from None
-    if value < 16:
-        raise VegasError(f"--ctx must be at least 16 tokens, got {value}")
+        raise VegasError(f"--ctx '{given}' is not a token count or a comma-separated list of "
+                         "them; use e.g. 2048, 8k or 4k,16k,32k") from None
+    if value < MIN_CONTEXT:
+        raise VegasError(f"--ctx must be at least {MIN_CONTEXT} tokens, got {value}")
     return value
 
 
