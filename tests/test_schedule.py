@@ -286,6 +286,28 @@ def test_cli_profile_speculative_entry(tmp_path, capsys):
     assert "vegas gamma=6: mean accepted length" in out.err
 
 
+def test_cli_profile_follows_the_context(tmp_path, capsys):
+    """A profile of two context bands: the prompt (11 tokens) starts in the first band,
+    vanilla for batch 1, and grows into the second, speculative."""
+    data = sample_profile_dict()
+    data["model"]["id"] = "dummy:tiny"
+    short = copy.deepcopy(data["schedule"])
+    long = copy.deepcopy(data["schedule"])
+    long[0]["config"] = dict(TUNED, min_tokens=4)
+    for band, (low, high) in ((short, (1, 12)), (long, (13, 4096))):
+        for entry in band:
+            entry.update(ctx_min=low, ctx_max=high)
+    data["schedule"] = short + long
+    profile = write_profile_data(tmp_path / "p.yaml", data)
+    code, out = run([*GENERATE[:-2], "8", "--ignore-eos", "--profile", str(profile)], capsys)
+    assert code == 0, out.err
+    assert (f"profile {profile}: batch 1 -> vanilla (context 1-12, range 1-63); vegas gamma 6, "
+            "sparsity 0.05 (context 13-4096, range 1-63)") in out.err
+    assert "schedule followed: 1 switch, " in out.err
+    assert "the profile's drafts: mean accepted length" in out.err
+    assert "vanilla: 1; vegas gamma 6 sparsity 0.05 min_tokens 4 window 0.125: " in out.err
+
+
 def assert_only_error_line(code, err, *fragments):
     assert code == 2, err
     lines = err.strip().splitlines()
