@@ -2,8 +2,9 @@
 
 ``generate`` builds a decoder, the strategy that turns the batch's last tokens into new
 ones (``VanillaDecoder``: one token per sequence per step; ``SpeculativeSession``: drafts
-verified in one pass, 1..gamma+1 tokens per sequence per iteration), and ``_decode_loop``
-drives it: EOS and token limits, progress, timing and statistics are the same for both.
+verified in one pass, 1..gamma+1 tokens per sequence per iteration; ``ScheduledDecoder``:
+either, as a ``SpecSchedule`` names them while the batch changes), and ``_decode_loop``
+drives it: EOS and token limits, progress, timing and statistics are the same for all.
 
 Steady-state throughput. A serving engine keeps its batch full: a finished sequence's
 slot takes the next request. A batch decoded to completion is not full at its end
@@ -411,8 +412,11 @@ def generate(
     """Generate up to ``max_new_tokens`` per prompt.
 
     ``spec=None`` decodes plainly (vanilla); a ``SpecConfig`` decodes self-speculatively
-    with its drafter, losslessly; a ``SpecSchedule`` (a tuned profile's) decodes with its
-    entry for the batch size, ``len(prompts)``. Greedy when ``temperature`` is 0;
+    with its drafter, losslessly; a ``SpecSchedule`` (a tuned profile's) is followed
+    while decoding: before each iteration, its entry for the sequences still decoding
+    (their number and mean length) picks the configuration (``ScheduledDecoder``; one
+    whose entries up to ``len(prompts)`` name one configuration decodes as that
+    configuration). Greedy when ``temperature`` is 0;
     otherwise sampling after top-k and top-p with a generator seeded by ``seed``. A
     sequence stops at its first EOS token unless ``ignore_eos``; the batch stops when
     all have.
