@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from vegas_core import graphs
-from vegas_core.attention import AttentionMeta, kernels_serve_model
+from vegas_core.attention import AttentionMeta
 from vegas_core.errors import VegasError
 from vegas_core.decode_state import DecodeState, decode_capacity
 from vegas_core.graphs import StaticForward
