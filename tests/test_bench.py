@@ -346,3 +346,40 @@ def test_profiles_decode_the_same_mixed_lengths_side_by_side(tmp_path):
     refused = subprocess.run([*command[:2], "--profiles", str(tmp_path / "one.yaml"),
                               "--rounds", "1"], capture_output=True, text=True)
     assert refused.returncode == 2 and "--rounds must be at least 2" in refused.stderr
+
+
+def test_the_switch_bench_times_a_schedule_alternating_between_two_configurations(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "switch"
+    done = subprocess.run(
+        [sys.executable, str(BENCH / "schedule_switch.py"), "--model", "dummy:tiny",
+         "--device", "cpu", "--dtype", "float32", "--batch", "2", "--ctx", "24",
+         "--new-tokens", "16", "--every", "4", "--repeats", "1",
+         "--configs", "vegas:gamma=3,min_tokens=4", "vanilla", "--out", str(out)],
+        capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    row = json.loads(out.with_suffix(".json").read_text())
+    switching = row["switching"]
+    assert switching["switches"] >= 2 and switching["switch_seconds"] > 0
+    assert set(switching["iterations_by_config"]) == set(row["alone"]) == {
+        "vegas gamma 3 sparsity 0.05 min_tokens 4", "vanilla"}
+    assert "Outputs equal token for token: yes" in done.stdout
+    assert "ms per switch (direct)" in out.with_suffix(".md").read_text()
+
+
+def test_the_switch_bench_reads_vanilla_and_every_speculative_field():
+    from bench.schedule_switch import alternating, parse_switch_config
+    from vegas_core import SpecConfig, VegasError
+
+    assert parse_switch_config("vanilla") is None
+    assert parse_switch_config("streaming:gamma=4,sparsity=0.1") == SpecConfig(
+        drafter="streaming", gamma=4, sparsity=0.1)
+    with pytest.raises(VegasError, match="SpecConfig field"):
+        parse_switch_config("vegas:budget=4")
+    schedule = alternating(None, SpecConfig(gamma=2), 10, 20, 4, 8)
+    assert [schedule.for_batch(8, c) for c in (10, 11, 14, 15, 19, 30)] == [
+        None, SpecConfig(gamma=2), SpecConfig(gamma=2), None, SpecConfig(gamma=2),
+        SpecConfig(gamma=2)]

@@ -231,3 +231,39 @@ def test_a_workspace_cache_keeps_its_prompts_for_later_calls(model, monkeypatch)
         computed.append(seen[0])
     window = spec.gamma + 1  # the speculative session's first verify window
     assert computed == [sum(map(len, PROMPTS)), 0, window * len(PROMPTS)]
+
+
+def test_a_followed_schedule_reuses_each_configurations_static_steps(model, vanilla,
+                                                                      monkeypatch):
+    """Switching decoders on one cache: greedy output equals the reference, and a
+    configuration met again makes no static step (on a GPU: captures no graph) beyond
+    those it made the first time."""
+    from vegas_core import SpecSchedule, graphs
+
+    use(monkeypatch, FAST)
+    made, init = [], graphs.StepGraph.__init__
+
+    def spy(self, *args, **kwargs):
+        made.append(self)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(graphs.StepGraph, "__init__", spy)
+    spec = SpecConfig(gamma=3, sparsity=0.1, min_tokens=4)
+
+    def follow(*bands):
+        """-> (output, step graphs made, captures) from a cache of its own."""
+        graphs.release_workspace(model.net)
+        made.clear()
+        captures = graphs.capture_count()
+        out = generate(model, PROMPTS, max_new_tokens=NEW_TOKENS, ignore_eos=True,
+                       spec=SpecSchedule([(1, 2, config, low, high)
+                                          for config, low, high in bands]))
+        return out, len(made), graphs.capture_count() - captures
+
+    # The mean context starts at 52 (53 with the prefill's token) and ends at 62.
+    there_and_back, made_back, captured_back = follow((spec, 1, 54), (None, 55, 58),
+                                                      (spec, 59, 1000))
+    there, made_there, captured_there = follow((spec, 1, 54), (None, 55, 1000))
+    assert there_and_back.tokens == there.tokens == vanilla
+    assert (there_and_back.stats.switches, there.stats.switches) == (2, 1)
+    assert made_back == made_there > 0 and captured_back == captured_there

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
+import types
 from pathlib import Path
 
 import pytest
@@ -13,8 +15,9 @@ from vegas_core import (GenerationStats, SpecConfig, SpecSchedule, SpeculativeSt
                         generate)
 from vegas_core.cli import app, run_app
 from vegas_core.errors import VegasError
-from vegas_core.schedule import ScheduleRange, context_bands
-from tests.test_engine import tiny_model
+from vegas_core.schedule import ScheduleRange, config_words, context_bands
+from vegas_core.speculative import SpeculativeSession
+from tests.test_engine import prompt, tiny_model
 from tests.test_profile import TUNED, sample_profile, sample_profile_dict
 
 REPO = Path(__file__).resolve().parent.parent
@@ -175,6 +178,75 @@ def test_generate_uses_the_entry_for_the_batch(model):
         assert getattr(got.stats, "gamma", None) == getattr(want.stats, "gamma", None)
 
 
+# Three prompts of different lengths, and schedules whose entries change inside their
+# 30 new tokens. OTHER differs from FAST in every way a switch must carry over: gamma,
+# budget and the rows its scores come from.
+FOLLOWED = [prompt(40, 1), prompt(23, 2), prompt(31, 3)]
+OTHER = SpecConfig(gamma=2, sparsity=0.2, min_tokens=6, collect="last")
+# The mean context starts at 31 (32 with the prefill's token) and passes every boundary:
+# FAST, vanilla, OTHER, FAST again.
+BY_CONTEXT = SpecSchedule([(1, 8, FAST, 1, 40), (1, 8, None, 41, 46), (1, 8, OTHER, 47, 52),
+                           (1, 8, FAST, 53, 1000)])
+
+
+def sessions_made(monkeypatch) -> list[SpecConfig]:
+    """The configuration of every SpeculativeSession made from now on."""
+    made, init = [], SpeculativeSession.__init__
+
+    def spy(self, model, prompt_ids, spec, *args, **kwargs):
+        made.append(spec)
+        init(self, model, prompt_ids, spec, *args, **kwargs)
+
+    monkeypatch.setattr(SpeculativeSession, "__init__", spy)
+    return made
+
+
+def test_generate_follows_the_schedule_as_contexts_grow(model, monkeypatch):
+    vanilla = generate(model, FOLLOWED, max_new_tokens=30, ignore_eos=True)
+    made = sessions_made(monkeypatch)
+    got = generate(model, FOLLOWED, max_new_tokens=30, ignore_eos=True, spec=BY_CONTEXT)
+    assert got.tokens == vanilla.tokens
+    s = got.stats
+    assert s.switches == 3 and s.switch_seconds > 0 and s.seconds_per_switch > 0
+    assert list(s.iterations_by_config) == [config_words(c) for c in (FAST, None, OTHER)]
+    assert sum(s.iterations_by_config.values()) == s.iterations
+    # FAST's decoder, made for the prefill, takes the batch back: nothing is made twice.
+    assert made == [FAST, OTHER]
+    assert type(s) is SpeculativeStats and s.gamma == FAST.gamma
+    assert len(s.acceptance_by_position) == FAST.gamma and s.mean_accepted_length >= 1
+
+
+def with_eos(model, *eos: int):
+    """The model with a tokenizer that names ``eos`` its end-of-sequence tokens."""
+    tokenizer = types.SimpleNamespace(eos_token_ids=list(eos), decode=lambda ids: "")
+    return dataclasses.replace(model, tokenizer=tokenizer)
+
+
+def test_generate_follows_the_schedule_as_sequences_finish(model, monkeypatch):
+    # The first sequence's 8th greedy token (90) and the second's 13th (24) come nowhere
+    # earlier in the batch: the batch of 3 shrinks to 2, then to 1.
+    eos_model = with_eos(model, 90, 24)
+    vanilla = generate(eos_model, FOLLOWED, max_new_tokens=30)
+    assert vanilla.stats.new_tokens == [8, 13, 30]
+    by_batch = SpecSchedule([(1, 1, FAST), (2, 2, OTHER), (3, 3, None)])
+    made = sessions_made(monkeypatch)
+    got = generate(eos_model, FOLLOWED, max_new_tokens=30, spec=by_batch)
+    assert got.tokens == vanilla.tokens
+    assert got.stats.switches == 2 and made == [OTHER, FAST]
+    assert got.stats.iterations_by_config[config_words(None)] == 7
+
+
+def test_a_schedule_of_one_configuration_decodes_as_that_configuration(model):
+    """Entries that name one configuration (within the batch's size) switch nothing:
+    the call is the configuration's own, statistics included."""
+    one = SpecSchedule([(1, 2, FAST), (3, 8, None)])
+    got = generate(model, FOLLOWED[:2], max_new_tokens=12, ignore_eos=True, spec=one)
+    want = generate(model, FOLLOWED[:2], max_new_tokens=12, ignore_eos=True, spec=FAST)
+    assert got.tokens == want.tokens and got.stats.iterations == want.stats.iterations
+    assert got.stats.switches == 0 and got.stats.iterations_by_config == {}
+    assert got.stats.mean_accepted_length == want.stats.mean_accepted_length
+
+
 # ---- vegas generate --profile --------------------------------------------------------
 
 def run(argv, capsys):
@@ -212,6 +284,28 @@ def test_cli_profile_speculative_entry(tmp_path, capsys):
     assert f"profile {profile}: batch 1 -> vegas gamma 6, sparsity 0.05 (range 1-63)" in out.err
     assert "warning" not in out.err
     assert "vegas gamma=6: mean accepted length" in out.err
+
+
+def test_cli_profile_follows_the_context(tmp_path, capsys):
+    """A profile of two context bands: the prompt (11 tokens) starts in the first band,
+    vanilla for batch 1, and grows into the second, speculative."""
+    data = sample_profile_dict()
+    data["model"]["id"] = "dummy:tiny"
+    short = copy.deepcopy(data["schedule"])
+    long = copy.deepcopy(data["schedule"])
+    long[0]["config"] = dict(TUNED, min_tokens=4)
+    for band, (low, high) in ((short, (1, 12)), (long, (13, 4096))):
+        for entry in band:
+            entry.update(ctx_min=low, ctx_max=high)
+    data["schedule"] = short + long
+    profile = write_profile_data(tmp_path / "p.yaml", data)
+    code, out = run([*GENERATE[:-2], "8", "--ignore-eos", "--profile", str(profile)], capsys)
+    assert code == 0, out.err
+    assert (f"profile {profile}: batch 1 -> vanilla (context 1-12, range 1-63); vegas gamma 6, "
+            "sparsity 0.05 (context 13-4096, range 1-63)") in out.err
+    assert "schedule followed: 1 switch, " in out.err
+    assert "the profile's drafts: mean accepted length" in out.err
+    assert "vanilla: 1; vegas gamma 6 sparsity 0.05 min_tokens 4 window 0.125: " in out.err
 
 
 def assert_only_error_line(code, err, *fragments):

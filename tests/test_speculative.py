@@ -10,7 +10,7 @@ import pathlib
 import pytest
 import torch
 
-from vegas_core import SpecConfig, generate
+from vegas_core import SpecConfig, SpecSchedule, generate
 from vegas_core.spec_config import COLLECT, DRAFTERS, GRANULARITIES, SCORES
 from vegas_tune.options import TuneOptions
 from vegas_tune.space import Point, longest_prefix, selections
@@ -174,7 +174,14 @@ def test_speculative_sampling_keeps_the_target_distribution(temperature, top_k, 
     out = generate(model, [prompt] * DRAWS, max_new_tokens=depth, ignore_eos=True,
                    spec=spec, temperature=temperature, top_k=top_k, top_p=top_p, seed=11)
     assert out.stats.mean_accepted_length < GAMMA + 0.8  # rejections did happen
-    tokens = torch.tensor(out.tokens)[:, :depth]
+    assert_exact_distribution(out.tokens, exact)
+
+
+def assert_exact_distribution(out_tokens: list[list[int]], exact: torch.Tensor) -> None:
+    """The drawn sequences' first tokens follow ``exact`` ([V] * depth): their joint of
+    the first three and the marginal of every position pass the chi-square test."""
+    depth = exact.dim()
+    tokens = torch.tensor(out_tokens)[:, :depth]
     # The joint of the first three tokens, and the marginal of every position.
     joint3 = torch.bincount(tokens[:, 0] * VOCAB**2 + tokens[:, 1] * VOCAB + tokens[:, 2],
                             minlength=VOCAB**3).double()
@@ -185,6 +192,29 @@ def test_speculative_sampling_keeps_the_target_distribution(temperature, top_k, 
     for counts, probs in checks:
         stat, df = chi2_statistic(counts, probs)
         assert stat < chi2_critical(df), (stat, df)
+
+
+@pytest.mark.parametrize("before", [None, SpecConfig(gamma=2, sparsity=0.2, min_tokens=6,
+                                                     collect="last")],
+                         ids=["from-vanilla", "from-other-drafts"])
+def test_a_schedule_switching_while_sampling_keeps_the_target_distribution(before):
+    """The batch's context passes a schedule boundary right after the prefill's token:
+    drafts begin on a cache, generator and pending token another decoder left."""
+    from vegas_core.sampling import SamplingParams
+
+    model = tiny_model(vocab_size=VOCAB)
+    with torch.no_grad():
+        model.net.lm_head.weight.mul_(0.3)
+    prompt = torch.randint(0, VOCAB, (PROMPT_LEN,), generator=torch.Generator().manual_seed(5)).tolist()
+    depth = 1 + GAMMA
+    exact = exact_continuations(model, prompt, SamplingParams(1.0), depth)
+    spec = SpecConfig(gamma=GAMMA, sparsity=0.05, min_tokens=4)
+    schedule = SpecSchedule([(1, DRAWS, before, 1, PROMPT_LEN),
+                             (1, DRAWS, spec, PROMPT_LEN + 1, 10 * PROMPT_LEN)])
+    out = generate(model, [prompt] * DRAWS, max_new_tokens=depth, ignore_eos=True,
+                   spec=schedule, temperature=1.0, seed=11)
+    assert out.stats.switches == 1 and out.stats.mean_accepted_length < GAMMA + 0.8
+    assert_exact_distribution(out.tokens, exact)
 
 
 def test_the_sampling_check_detects_a_wrong_distribution():

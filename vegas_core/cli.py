@@ -14,6 +14,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 
 from vegas_core.errors import VegasError
+from vegas_core.generation import SpeculativeStats
 from vegas_core.generation import generate as run_generate
 from vegas_core.graphs import prefer_expandable_segments
 from vegas_core.loading import load_model
@@ -140,7 +141,7 @@ def generate(
     chat: bool = typer.Option(False, help="Wrap the prompt in the model's chat template."),
     ignore_eos: bool = typer.Option(False, help="Keep generating past EOS (for timing)."),
     drafter: Optional[str] = typer.Option(None, help="Decode speculatively with this drafter: vegas, streaming, quest, snapkv, specextend, oracle, dense."),
-    profile: Optional[Path] = typer.Option(None, help="Decode with a tuned profile (vegas-tune's YAML): its schedule's entry for the batch size. Not with --drafter."),
+    profile: Optional[Path] = typer.Option(None, help="Decode with a tuned profile (vegas-tune's YAML): its schedule, followed as the context grows (one prompt: its entries for batch 1). Not with --drafter."),
     gamma: int = typer.Option(6, min=1, max=MAX_GAMMA, help="Draft tokens per iteration (with --drafter)."),
     sparsity: float = typer.Option(0.05, min=0.0, max=1.0, help="Draft budget as a share of the prefix (with --drafter)."),
     min_tokens: int = typer.Option(256, min=1, help="Smallest draft budget in tokens (with --drafter)."),
@@ -182,7 +183,7 @@ def generate(
                           collect=collect, score=score, granularity=granularity)
     if profile is not None:
         # Before loading the model: a bad profile fails in a moment, not after a load.
-        spec = _profile_spec(profile, model, batch=1)
+        spec = _profile_schedule(profile, model, batch=1)
     with stderr.status(f"loading {model} ..."):
         loaded = load_model(model, device=device, dtype=dtype)
     stderr.print(f"model: {loaded.label} on {loaded.device} ({str(loaded.dtype).removeprefix('torch.')})")
@@ -207,19 +208,32 @@ def generate(
         f"prompt {s.prompt_tokens[0]} tok, prefill {s.prefill_seconds:.2f} s; "
         f"generated {s.new_tokens[0]} tok, decode {s.tokens_per_second:.1f} tok/s"
     )
-    if spec is not None:
+    if isinstance(spec, SpecSchedule):
+        configs = spec.configs_for(1)
+        # A profile of one configuration for the batch decodes as that configuration.
+        spec = configs[0] if len(configs) == 1 else spec
+    if isinstance(s, SpeculativeStats):
         by_pos = " ".join(f"{a:.2f}" for a in s.acceptance_by_position)
+        what = ("the profile's drafts" if isinstance(spec, SpecSchedule)
+                else f"{spec.drafter} gamma={spec.gamma}")
         stderr.print(
-            f"{spec.drafter} gamma={spec.gamma}: mean accepted length {s.mean_accepted_length:.2f} "
+            f"{what}: mean accepted length {s.mean_accepted_length:.2f} "
             f"over {s.iterations} iterations; acceptance by position {by_pos}; draft "
             f"{s.draft_seconds:.2f} s, verify {s.verify_seconds:.2f} s, selection "
             f"{s.selection_seconds:.3f} s ({100 * s.selection_overhead:.1f}% of decode)"
         )
+    if s.iterations_by_config:
+        ran = "; ".join(f"{name}: {n}" for name, n in s.iterations_by_config.items())
+        each = f", {1000 * s.seconds_per_switch:.1f} ms each" if s.switches else ""
+        switches = f"{s.switches} switch" + ("" if s.switches == 1 else "es")
+        stderr.print(f"schedule followed: {switches}{each}; iterations by "
+                     f"configuration: {ran}", markup=False, highlight=False)
 
 
-def _profile_spec(path: Path, model: str, batch: int):
-    """The profile's ``SpecConfig`` (None: vanilla) for ``batch`` prompts, announced on
-    stderr; a warning when the profile was tuned for another model than ``model``."""
+def _profile_schedule(path: Path, model: str, batch: int) -> SpecSchedule:
+    """The profile's schedule, its entries for ``batch`` prompts announced on stderr (one
+    per band of contexts: the decode follows the context as it grows); a warning when
+    the profile was tuned for another model than ``model``."""
     data = read_yaml_file(path, "profile")
     schedule = SpecSchedule.from_profile_data(data, str(path))
     # Cheap and advisory: model.id is the --model the tuner was given, so a path and a
@@ -229,13 +243,24 @@ def _profile_spec(path: Path, model: str, batch: int):
     if isinstance(tuned_for, str) and tuned_for != model:
         stderr.print(f"warning: profile {path} was tuned for {tuned_for}, not {model}; its "
                      "settings may not suit this model", markup=False, highlight=False)
-    entry = schedule.entry_for(batch)
-    spec = entry.spec
-    chosen = ("vanilla" if spec is None
-              else f"{spec.drafter} gamma {spec.gamma}, sparsity {spec.sparsity:g}")
-    stderr.print(f"profile {path}: batch {batch} -> {chosen} "
-                 f"(range {entry.batch_min}-{entry.batch_max})", markup=False, highlight=False)
-    return spec
+    if not schedule.has_contexts:
+        entries = [schedule.entry_for(batch)]
+    else:
+        bands = dict.fromkeys((e.ctx_min, e.ctx_max) for e in schedule.entries)
+        entries = [schedule.entry_for(batch, low) for low, _ in bands]
+
+    def chosen(entry) -> str:
+        spec = entry.spec
+        words = ("vanilla" if spec is None
+                 else f"{spec.drafter} gamma {spec.gamma}, sparsity {spec.sparsity:g}")
+        where = f"range {entry.batch_min}-{entry.batch_max}"
+        if schedule.has_contexts:
+            where = f"context {entry.ctx_min}-{entry.ctx_max}, {where}"
+        return f"{words} ({where})"
+
+    stderr.print(f"profile {path}: batch {batch} -> " + "; ".join(map(chosen, entries)),
+                 markup=False, highlight=False)
+    return schedule
 
 
 def read_prompt_file(path: Path) -> str:

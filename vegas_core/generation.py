@@ -2,8 +2,9 @@
 
 ``generate`` builds a decoder, the strategy that turns the batch's last tokens into new
 ones (``VanillaDecoder``: one token per sequence per step; ``SpeculativeSession``: drafts
-verified in one pass, 1..gamma+1 tokens per sequence per iteration), and ``_decode_loop``
-drives it: EOS and token limits, progress, timing and statistics are the same for both.
+verified in one pass, 1..gamma+1 tokens per sequence per iteration; ``ScheduledDecoder``:
+either, as a ``SpecSchedule`` names them while the batch changes), and ``_decode_loop``
+drives it: EOS and token limits, progress, timing and statistics are the same for all.
 
 Steady-state throughput. A serving engine keeps its batch full: a finished sequence's
 slot takes the next request. A batch decoded to completion is not full at its end
@@ -32,14 +33,15 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from vegas_core import graphs
-from vegas_core.attention import AttentionMeta, kernels_serve_model
+from vegas_core.attention import AttentionMeta
 from vegas_core.errors import VegasError
-from vegas_core.graphs import StaticForward, workspace
+from vegas_core.decode_state import DecodeState, decode_capacity
+from vegas_core.graphs import StaticForward
 from vegas_core.loading import LoadedModel
 from vegas_core.prefill import (PrefixCache, ProgressFn, check_lengths, encode_prompts,
                                 prefill, sync)
 from vegas_core.sampling import SamplingParams, choose_tokens
-from vegas_core.schedule import SpecSchedule
+from vegas_core.schedule import SpecSchedule, config_words
 from vegas_core.speculative import SpeculativeSession
 
 if TYPE_CHECKING:
@@ -60,6 +62,17 @@ class GenerationStats:
     steady_tokens: int = 0
     steady_seconds: float = 0.0
     extra: dict = field(default_factory=dict)
+    # Under a schedule that names several configurations (``generate(spec=SpecSchedule)``):
+    # the switches between them, the seconds they took (counted in ``decode_seconds``)
+    # and the iterations each configuration ran, by ``config_words`` ("vanilla", ...).
+    switches: int = 0
+    switch_seconds: float = 0.0
+    iterations_by_config: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def seconds_per_switch(self) -> float | None:
+        """The mean cost of one switch; None without switches."""
+        return self.switch_seconds / self.switches if self.switches else None
 
     @property
     def tokens_per_second(self) -> float:
@@ -105,6 +118,8 @@ class Decoder(Protocol):
 
     # Seconds per phase so far (e.g. draft, verify, selection); may stay empty.
     timers: dict[str, float]
+    # Whether the last iteration drafted: its tokens then count for acceptance.
+    drafts: bool
 
     def first_tokens(self) -> list[int]:
         """The token each sequence gets from its prompt (from the prefill)."""
@@ -115,57 +130,181 @@ class Decoder(Protocol):
         their length). Ends with the results on the host."""
         ...
 
+    def enter(self, histories: list[list[int]]) -> None:
+        """Take over a batch that another decoder of the same ``DecodeState`` has been
+        decoding; ``histories[b]``: sequence b's tokens, prompt first."""
+        ...
+
 
 class VanillaDecoder:
-    """Plain decoding: one forward per step, one token per sequence."""
+    """Plain decoding: one forward per step, one token per sequence.
+
+    Prefills ``prompt_ids`` into a cache of its own, or into ``state``'s (a batch shared
+    with other decoders) unless that is prefilled already: it then joins the batch."""
 
     def __init__(self, model: LoadedModel, prompt_ids: list[list[int]], params: SamplingParams,
                  max_new_tokens: int, *, prefill_chunk: int | None,
-                 progress: ProgressFn | None, prefix_cache: PrefixCache | None) -> None:
+                 progress: ProgressFn | None, prefix_cache: PrefixCache | None,
+                 state: DecodeState | None = None) -> None:
         self.params = params
         self.timers: dict[str, float] = {}
-        batch = len(prompt_ids)
-        self.cache, self._forward = _decode_setup(
-            model, batch, max(len(p) for p in prompt_ids) + max_new_tokens)
-        self.generator = torch.Generator(device=model.device).manual_seed(params.seed)
-        last_hidden = prefill(model, prompt_ids, self.cache, chunk=prefill_chunk,
-                              progress=progress, reuse=prefix_cache)
-        with torch.inference_mode():
-            self.next = choose_tokens(model.net.logits(last_hidden), params, self.generator)
-        self.host_len = max(len(p) for p in prompt_ids)  # longest sequence: the key bound
+        if state is None:
+            state = DecodeState.for_batch(model, prompt_ids,
+                                          decode_capacity(prompt_ids, max_new_tokens, 0), 1,
+                                          params.seed)
+        self.state = state
+        self._forward = _vanilla_forward(model, state)
+        if not state.prefilled:
+            last_hidden = prefill(model, prompt_ids, state.cache, chunk=prefill_chunk,
+                                  progress=progress, reuse=prefix_cache)
+            with torch.inference_mode():
+                state.pending = choose_tokens(model.net.logits(last_hidden), params,
+                                              state.generator)
+
+    # A step drafts nothing: its tokens do not count for acceptance.
+    drafts = False
 
     def first_tokens(self) -> list[int]:
-        return self.next.tolist()
+        return self.state.pending.tolist()
+
+    def enter(self, histories: list[list[int]]) -> None:
+        """Take the batch over from another decoder of its state: a step needs only the
+        cache and the pending tokens, which are there."""
 
     @torch.inference_mode()
     def step(self, active: list[bool]) -> list[list[int]]:
-        self.host_len += 1
-        logits = self._forward(self.next[:, None], self.cache.lengths[:, None], self.host_len)
-        self.cache.lengths += 1
-        self.next = choose_tokens(logits, self.params, self.generator)
-        return [[t] for t in self.next.tolist()]  # the one sync per step
+        s = self.state
+        mask, active_host = s.active_mask(active)
+        # The longest sequence bounds the keys; a finished one keeps its length (its
+        # pending slot is rewritten), so that the cache holds what a switch to drafts
+        # needs and a long decode stays within its capacity.
+        logits = self._forward(s.pending[:, None], s.cache.lengths[:, None],
+                               max(s.host_lengths) + 1)
+        s.cache.lengths += mask
+        for b, live in enumerate(active_host):
+            s.host_lengths[b] += live
+        s.pending = choose_tokens(logits, self.params, s.generator)
+        return [[t] for t in s.pending.tolist()]  # the one sync per step
 
 
-def _decode_setup(model: LoadedModel, batch: int, capacity: int):
-    """-> (cache, forward): forward(tokens [B, 1], positions [B, 1], kv_len) -> last-row
-    logits [B, V]. Where the kernels serve the step it runs on static buffers (a CUDA
-    graph on a GPU) kept in the model's workspace; else eagerly with the host's key bound."""
-    net, dev, window = model.net, model.device, model.config.window
-    space = workspace(net, batch, capacity, dev) if kernels_serve_model(
-        model.config, dev, 1) else None
-    if space is not None:
-        cache = space.cache
-        forward = space.get(("vanilla",), lambda: StaticForward(
+def _vanilla_forward(model: LoadedModel, state: DecodeState):
+    """forward(tokens [B, 1], positions [B, 1], kv_len) -> last-row logits [B, V] on the
+    state's cache. Where the kernels serve the step it runs on static buffers (a CUDA
+    graph on a GPU) kept in the state's workspace; else eagerly with the host's key
+    bound."""
+    net, dev, window, cache = model.net, model.device, model.config.window, state.cache
+    if state.space is not None:
+        batch = cache.batch_size
+        forward = state.space.get(("vanilla",), lambda: StaticForward(
             net, cache, batch, 1, lambda pos: AttentionMeta.full(pos, cache.max_len, window),
-            all_rows=False, device=dev, pool=space.pool))
-        return cache, lambda tokens, positions, kv_len: forward(tokens, positions)
-    cache = net.new_cache(batch, capacity)
+            all_rows=False, device=dev, pool=state.space.pool))
+        return lambda tokens, positions, kv_len: forward(tokens, positions)
 
     def eager(tokens, positions, kv_len):
         hidden = net(tokens, positions, cache, AttentionMeta.full(positions, kv_len, window))
         return net.logits(hidden[:, -1])
 
-    return cache, eager
+    return eager
+
+
+class ScheduledDecoder:
+    """Decoding that follows a ``SpecSchedule`` as the batch changes.
+
+    Before each iteration the schedule's entry for the sequences still decoding (their
+    number, and their mean length: prompt and tokens so far) names the configuration;
+    when it changes, the decoder for it (``VanillaDecoder`` or ``SpeculativeSession``)
+    takes over. Every decoder works on one ``DecodeState``: one cache, one generator,
+    the same pending tokens, so a switch neither prefills again nor changes what is
+    sampled. A decoder is made on a configuration's first use and kept, with the static
+    buffers and graphs it made in the workspace: a configuration met again captures
+    nothing. A speculative decoder taking over selects as after the prefill, from one
+    verify-style window over the sequences' last tokens (``SpeculativeSession.enter``).
+
+    ``timers`` sums its decoders' phases, and ``switch``: the seconds switches took.
+    """
+
+    def __init__(self, model: LoadedModel, prompt_ids: list[list[int]], schedule: SpecSchedule,
+                 params: SamplingParams, max_new_tokens: int, *, prefill_chunk: int | None,
+                 progress: ProgressFn | None, prefix_cache: PrefixCache | None) -> None:
+        self.model, self.schedule, self.params = model, schedule, params
+        self.prompt_ids, self.max_new_tokens = prompt_ids, max_new_tokens
+        # One cache for every configuration the schedule may switch to: room for the
+        # longest drafts, static steps only where the kernels serve them all.
+        gamma = max((e.spec.gamma for e in schedule.entries if e.spec is not None), default=0)
+        self.state = DecodeState.for_batch(model, prompt_ids,
+                                           decode_capacity(prompt_ids, max_new_tokens, gamma),
+                                           gamma + 1, params.seed)
+        # Each sequence's tokens, prompt first; the cache holds the first host_lengths[b].
+        self.histories = [list(p) for p in prompt_ids]
+        self.decoders: dict[SpecConfig | None, Decoder] = {}
+        self.switches = 0
+        self.iterations_by_config: dict[str, int] = {}
+        self.timers = {"draft": 0.0, "verify": 0.0, "selection": 0.0, "switch": 0.0}
+        self.spec = schedule.for_batch(len(prompt_ids), self._context(range(len(prompt_ids))))
+        self.current = self._decoder(self.spec, prefill_chunk=prefill_chunk, progress=progress,
+                                     prefix_cache=prefix_cache)
+        self._add_timers(self.current, {})
+
+    @property
+    def drafts(self) -> bool:
+        return self.current.drafts
+
+    @property
+    def configs_used(self) -> list[SpecConfig | None]:
+        """The configurations decoded with so far, in order of first use."""
+        return list(self.decoders)
+
+    def _context(self, rows) -> int:
+        """The mean length of the sequences ``rows``: what the schedule's context means."""
+        rows = list(rows)
+        return max(1, sum(len(self.histories[b]) for b in rows) // len(rows))
+
+    def _decoder(self, spec: SpecConfig | None, *, prefill_chunk: int | None = None,
+                 progress: ProgressFn | None = None,
+                 prefix_cache: PrefixCache | None = None) -> Decoder:
+        """The decoder for ``spec`` on the batch's state; the first one made prefills."""
+        if spec not in self.decoders:
+            common = dict(prefill_chunk=prefill_chunk, progress=progress,
+                          prefix_cache=prefix_cache, state=self.state)
+            self.decoders[spec] = (
+                VanillaDecoder(self.model, self.prompt_ids, self.params, self.max_new_tokens,
+                               **common) if spec is None else
+                SpeculativeSession(self.model, self.prompt_ids, spec, self.params,
+                                   self.max_new_tokens, **common))
+        return self.decoders[spec]
+
+    def _add_timers(self, decoder: Decoder, before: dict[str, float]) -> None:
+        for phase, total in decoder.timers.items():
+            self.timers[phase] = self.timers.get(phase, 0.0) + total - before.get(phase, 0.0)
+
+    def first_tokens(self) -> list[int]:
+        first = self.current.first_tokens()
+        for history, token in zip(self.histories, first):
+            history.append(token)
+        return first
+
+    def _switch(self, spec: SpecConfig | None) -> None:
+        t0 = time.perf_counter()
+        decoder = self._decoder(spec)
+        decoder.enter(self.histories)
+        sync(self.model.device)
+        self.timers["switch"] += time.perf_counter() - t0
+        self.switches += 1
+        self.current, self.spec = decoder, spec
+
+    def step(self, active: list[bool]) -> list[list[int]]:
+        live = [b for b, a in enumerate(active) if a]
+        spec = self.schedule.for_batch(len(live), self._context(live))
+        if spec != self.spec:
+            self._switch(spec)
+        before = dict(self.current.timers)
+        new = self.current.step(active)
+        self._add_timers(self.current, before)
+        for b in live:  # a finished sequence's tokens are computed, not committed
+            self.histories[b].extend(new[b])
+        label = config_words(spec)
+        self.iterations_by_config[label] = self.iterations_by_config.get(label, 0) + 1
+        return new
 
 
 @dataclass
@@ -226,6 +365,7 @@ def _decode_loop(decoder: Decoder, batch: int, max_new_tokens: int, eos: set[int
             new = decoder.step([not d for d in done])
             seconds = time.perf_counter() - t0
             rec.iterations += 1
+            counted = warm and decoder.drafts  # acceptance: over drafting iterations only
             if full and warm and graphs.capture_count() == captures:
                 rec.steady_iterations += 1
                 rec.steady_tokens += sum(len(n) for n in new)
@@ -236,7 +376,7 @@ def _decode_loop(decoder: Decoder, batch: int, max_new_tokens: int, eos: set[int
             for i in range(batch):
                 if done[i]:
                     continue
-                if not warm:
+                if not counted:
                     take(i, new[i])
                     continue
                 rec.rounds += 1
@@ -272,8 +412,11 @@ def generate(
     """Generate up to ``max_new_tokens`` per prompt.
 
     ``spec=None`` decodes plainly (vanilla); a ``SpecConfig`` decodes self-speculatively
-    with its drafter, losslessly; a ``SpecSchedule`` (a tuned profile's) decodes with its
-    entry for the batch size, ``len(prompts)``. Greedy when ``temperature`` is 0;
+    with its drafter, losslessly; a ``SpecSchedule`` (a tuned profile's) is followed
+    while decoding: before each iteration, its entry for the sequences still decoding
+    (their number and mean length) picks the configuration (``ScheduledDecoder``; one
+    whose entries up to ``len(prompts)`` name one configuration decodes as that
+    configuration). Greedy when ``temperature`` is 0;
     otherwise sampling after top-k and top-p with a generator seeded by ``seed``. A
     sequence stops at its first EOS token unless ``ignore_eos``; the batch stops when
     all have.
@@ -293,14 +436,23 @@ def generate(
         raise VegasError(f"warmup_iterations must be >= 0, got {warmup_iterations}")
     prompt_ids = encode_prompts(model, prompts)
     check_lengths(model, prompt_ids, max_new_tokens)
+    schedule = None
     if isinstance(spec, SpecSchedule):
-        spec = spec.for_batch(len(prompt_ids))
+        # A schedule whose entries within the batch's size name one configuration
+        # decodes like that configuration; otherwise it is followed as the batch shrinks
+        # and its contexts grow.
+        configs = spec.configs_for(len(prompt_ids))
+        schedule, spec = (None, configs[0]) if len(configs) == 1 else (spec, None)
     dev = model.device
     eos = set() if ignore_eos or model.tokenizer is None else set(model.tokenizer.eos_token_ids)
 
     sync(dev)
     t0 = time.perf_counter()
-    if spec is None:
+    if schedule is not None:
+        decoder = ScheduledDecoder(model, prompt_ids, schedule, params, max_new_tokens,
+                                   prefill_chunk=prefill_chunk, progress=progress,
+                                   prefix_cache=prefix_cache)
+    elif spec is None:
         decoder = VanillaDecoder(model, prompt_ids, params, max_new_tokens,
                                  prefill_chunk=prefill_chunk, progress=progress,
                                  prefix_cache=prefix_cache)
@@ -328,15 +480,23 @@ def generate(
         steady_tokens=rec.steady_tokens,
         steady_seconds=rec.steady_seconds,
     )
-    if spec is None:
+    drafting = [spec] if spec is not None else []
+    if isinstance(decoder, ScheduledDecoder):
+        common.update(switches=decoder.switches, switch_seconds=decoder.timers["switch"],
+                      iterations_by_config=dict(decoder.iterations_by_config))
+        drafting = [c for c in decoder.configs_used if c is not None]
+    if not drafting:
         stats: GenerationStats = GenerationStats(**common)
     else:
+        # Acceptance is counted over the drafting iterations, by draft position up to
+        # the longest drafts decoded with.
+        gamma = max(c.gamma for c in drafting)
         phases = {k: v - prefill_timers.get(k, 0.0) for k, v in decoder.timers.items()}
-        accepted = rec.accepted_at + [0] * (spec.gamma - len(rec.accepted_at))
+        accepted = rec.accepted_at + [0] * (gamma - len(rec.accepted_at))
         by_position = [a / max(rec.rounds, 1) for a in accepted]
         stats = SpeculativeStats(
             **common,
-            gamma=spec.gamma,
+            gamma=gamma,
             mean_accepted_length=1.0 + sum(by_position),
             acceptance_by_position=by_position,
             sequence_rounds=rec.rounds,

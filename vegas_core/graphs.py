@@ -321,6 +321,11 @@ class SpeculativeForwards:
         self.space.put(key, (forward, collector))
         return forward(tokens, positions), collector
 
+    def forget_staged(self) -> None:
+        """Stage the next selection even if it was the last one staged (a static one
+        shared with another session may hold that session's since)."""
+        self._staged_from = None
+
     def _static_draft(self, sel: SparseSelection | None) -> StaticForward:
         cap, batch = self.cache.max_len, self.cache.batch_size
         if sel is None:

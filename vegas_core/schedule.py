@@ -59,6 +59,22 @@ def context_bands(contexts: list[int]) -> list[tuple[int, int]]:
     return bands
 
 
+def config_words(spec: SpecConfig | None) -> str:
+    """A configuration in a few words, as statistics and output name it: ``vanilla``,
+    or the drafter, gamma, sparsity and min_tokens, then any other setting that is not
+    its default (``vegas gamma 3 sparsity 0.1 min_tokens 4 collect last``)."""
+    if spec is None:
+        return VANILLA
+    words = [spec.drafter, f"gamma {spec.gamma}", f"sparsity {spec.sparsity:g}",
+             f"min_tokens {spec.min_tokens}"]
+    default = SpecConfig()
+    for name, value in spec.to_dict().items():
+        if name not in ("drafter", "gamma", "sparsity", "min_tokens") and \
+                value != getattr(default, name):
+            words.append(f"{name} {value:g}" if isinstance(value, float) else f"{name} {value}")
+    return " ".join(words)
+
+
 def _is_int(value: Any) -> bool:
     # bool is an int in Python, but `true` is not a batch size.
     return isinstance(value, int) and not isinstance(value, bool)
@@ -160,6 +176,16 @@ class SpecSchedule:
             if entry.batch_min <= batch_size <= entry.batch_max:
                 return entry
         return band[-1]
+
+    def configs_for(self, batch_size: int) -> list[SpecConfig | None]:
+        """The configurations (None: vanilla) a batch of ``batch_size`` sequences may
+        decode with as its sequences finish and its contexts grow: those of the entries
+        for sizes up to it, in every band; each once, in the entries' order."""
+        configs: list[SpecConfig | None] = []
+        for entry in self.entries:
+            if entry.batch_min <= batch_size and entry.spec not in configs:
+                configs.append(entry.spec)
+        return configs
 
     def for_batch(self, batch_size: int, context: int | None = None) -> SpecConfig | None:
         """The configuration to decode ``batch_size`` prompts with at ``context`` tokens

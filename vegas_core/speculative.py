@@ -23,7 +23,8 @@ import torch
 
 from vegas_core.acceptance import accept, advance
 from vegas_core.attention import AttentionMeta, kernels_serve_model
-from vegas_core.graphs import SpeculativeForwards, workspace
+from vegas_core.decode_state import DecodeState, decode_capacity
+from vegas_core.graphs import SpeculativeForwards
 from vegas_core.loading import LoadedModel
 from vegas_core.prefill import PrefixCache, ProgressFn, prefill, sync
 from vegas_core.sampling import SamplingParams, choose_tokens, probabilities
@@ -69,34 +70,34 @@ class SpeculativeSession:
     def __init__(self, model: LoadedModel, prompt_ids: list[list[int]], spec: SpecConfig,
                  params: SamplingParams, max_new_tokens: int, *, prefill_chunk: int | None = None,
                  progress: ProgressFn | None = None,
-                 prefix_cache: PrefixCache | None = None) -> None:
+                 prefix_cache: PrefixCache | None = None,
+                 state: DecodeState | None = None) -> None:
+        """Prefill ``prompt_ids`` into a cache of the session's own, or into ``state``'s
+        (a batch shared with other decoders) unless that is prefilled already: the
+        session then joins the batch, and selects when ``enter`` hands it over."""
         self.model, self.spec, self.params = model, spec, params
         self.net, self.dev, self.window = model.net, model.device, model.config.window
         # The longest sequence this call can make: what the vLLM export serves as
         # max-model-len (the prompt plus the new tokens), which bounds the fork's budgets.
-        max_model_len = max(len(p) for p in prompt_ids) + max_new_tokens
-        self.drafter = make_drafter(spec, model.config.num_layers,
-                                    model.config.selection_layers, max_model_len)
+        self.max_model_len = max(len(p) for p in prompt_ids) + max_new_tokens
+        self.drafter = self._new_drafter()
         self.batch = len(prompt_ids)
-        self.generator = torch.Generator(device=self.dev).manual_seed(params.seed)
         self.iteration = 0
         self.timers = {"draft": 0.0, "verify": 0.0, "selection": 0.0}
         self._clock = _PhaseClock(self.dev)
-        self.host_lengths = [len(p) for p in prompt_ids]
-        self._active_key: tuple[bool, ...] | None = None
 
-        # Room for a full iteration past the last token, and for one more: a sequence that
-        # finished keeps its length but its slots are still written by the batch's steps.
-        capacity = max(self.host_lengths) + max_new_tokens + 2 * (spec.gamma + 1)
-        space = None  # where static steps keep their buffers and graphs; None: eager steps
-        if kernels_serve_model(model.config, self.dev, spec.gamma + 1):
-            space = workspace(self.net, self.batch, capacity, self.dev)
-        self.cache = space.cache if space is not None else self.net.new_cache(self.batch,
-                                                                              capacity)
+        if state is None:
+            state = DecodeState.for_batch(
+                model, prompt_ids, decode_capacity(prompt_ids, max_new_tokens, spec.gamma),
+                spec.gamma + 1, params.seed)
+        self.state = state
+        # The cache, the generator and the lengths list are the state's own objects.
+        self.cache, self.generator = state.cache, state.generator
+        self.host_lengths = state.host_lengths
         # An index list as long as the budget at full capacity: longer ones (SpecExtend's
         # whole chunks under small budgets) run eagerly.
         list_capacity = draft_budget(self.cache.max_len, spec.sparsity, spec.min_tokens)
-        self.forwards = SpeculativeForwards(self.net, self.cache, self.window, space,
+        self.forwards = SpeculativeForwards(self.net, self.cache, self.window, state.space,
                                             list_capacity, self.dev)
         self._scores_out = None
         c = model.config
@@ -107,7 +108,42 @@ class SpeculativeSession:
             self._scores_out = self.forwards.score_buffer(
                 (c.num_layers if layers is None else len(layers), self.batch,
                  c.num_kv_heads, self.cache.max_len))
-        self._prefill(prompt_ids, prefill_chunk, progress, prefix_cache)
+        if not state.prefilled:
+            self._prefill(prompt_ids, prefill_chunk, progress, prefix_cache)
+
+    # Every iteration drafts: its accepted tokens count for the acceptance statistics.
+    drafts = True
+
+    @property
+    def pending(self) -> torch.Tensor:
+        """[B] each sequence's next token: accepted, not yet in the cache."""
+        return self.state.pending
+
+    @pending.setter
+    def pending(self, tokens: torch.Tensor) -> None:
+        self.state.pending = tokens
+
+    def _new_drafter(self):
+        return make_drafter(self.spec, self.model.config.num_layers,
+                            self.model.config.selection_layers, self.max_model_len)
+
+    @torch.inference_mode()
+    def enter(self, histories: list[list[int]]) -> None:
+        """Take the batch over from another decoder of its state: select as after the
+        prefill, from a verify-style window over the last tokens each sequence committed
+        (``histories[b]``: its tokens, prompt first, of which the cache holds the first
+        ``host_lengths[b]``). The pending tokens stay: they are already output."""
+        # A fresh drafter: what one keeps (a fixed or refreshed selection, accumulated
+        # scores) was made at an earlier context of the batch.
+        self.drafter = self._new_drafter()
+        self.iteration = 0
+        # Another decoder's drafts may have staged their selection where this one's read.
+        self.forwards.forget_staged()
+        w = min(self.drafter.prefill_window(self.spec.gamma), min(self.host_lengths))
+        tokens = torch.tensor([h[n - w:n] for h, n in zip(histories, self.host_lengths)],
+                              device=self.dev)  # [B, W]
+        start = torch.tensor([n - w for n in self.host_lengths], device=self.dev)
+        self._open_window(tokens, start, choose_pending=False)
 
     def _collector(self, window_rows: int, iteration: int) -> ScoreCollector | None:
         d = self.drafter
@@ -142,12 +178,13 @@ class SpeculativeSession:
                     reuse=prefix_cache, need_last_hidden=False)
         tokens = torch.tensor([p[len(p) - w:] for p in prompt_ids], device=self.dev)
         start = torch.tensor([n - w for n in self.host_lengths], device=self.dev)
-        self._open_window(tokens, start)
+        self._open_window(tokens, start, choose_pending=True)
 
-    def _open_window(self, tokens: torch.Tensor, start: torch.Tensor) -> None:
+    def _open_window(self, tokens: torch.Tensor, start: torch.Tensor,
+                     choose_pending: bool) -> None:
         """tokens [B, W] at positions start[b] .. start[b] + W - 1, the last W of each
-        sequence: one verify-style forward gives the pending token and the first
-        selection."""
+        sequence: one verify-style forward gives the first selection and, with
+        ``choose_pending``, the pending token."""
         w = tokens.shape[1]
         for b, n in enumerate(self.host_lengths):
             self.cache.forget_from(b, n - w)  # the window rewrites these prompt slots
@@ -157,7 +194,9 @@ class SpeculativeSession:
                           AttentionMeta.verify(positions, max(self.host_lengths), self.window,
                                                collector))
         self.cache.lengths.copy_(start + w)
-        self.pending = choose_tokens(self.net.logits(hidden[:, -1]), self.params, self.generator)
+        if choose_pending:
+            self.pending = choose_tokens(self.net.logits(hidden[:, -1]), self.params,
+                                         self.generator)
         self._clock.mark("selection")
         self._select(collector, w, torch.full_like(start, w - 1), start,
                      max(self.host_lengths) - w)
@@ -169,21 +208,13 @@ class SpeculativeSession:
         """The pending token of each sequence after the prefill: its first new token."""
         return self.pending.tolist()
 
-    def _active_mask(self, active) -> tuple[torch.Tensor, list[bool]]:
-        """-> (device [B] bool, host list); the device copy is made only on change."""
-        host = [bool(a) for a in (active.tolist() if torch.is_tensor(active) else active)]
-        if tuple(host) != self._active_key:
-            self._active_key = tuple(host)
-            self._active = torch.tensor(host, device=self.dev)
-        return self._active, host
-
     @torch.inference_mode()
     def step(self, active) -> list[list[int]]:
         """One iteration. ``active`` [B] bools (a list, or a tensor): finished sequences
         are computed but keep their length. Returns the accepted tokens (drafts + bonus)
         per sequence."""
         gamma, params = self.spec.gamma, self.params
-        active, active_host = self._active_mask(active)
+        active, active_host = self.state.active_mask(active)
         n = self.cache.lengths.clone()
         longest = max(self.host_lengths)
         self.iteration += 1
