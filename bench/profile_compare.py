@@ -20,7 +20,7 @@ profile's and over vanilla, round by round.
 
     python bench/profile_compare.py --device cuda --dtype bfloat16 --model gemma3-270m \\
         --min-ctx 4000 --max-ctx 32000 --batch-size 64 --max-new-tokens 128 \\
-        --profiles profiles/gemma3-270m/h200-4k-32k.yaml profiles/gemma3-270m/h200-32k.yaml \\
+        --profiles gemma3-4k-16k-32k.yaml gemma3-32k.yaml \\
         --out runs/profile-compare-gemma3
 """
 
