@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -850,7 +851,9 @@ def test_a_context_list_tunes_each_context_and_writes_context_bands(tmp_path, mo
     assert "## Schedule by context and batch size" in report
     assert "| ctx 1-362, batch 1-3 | 1 at ctx 256 | vanilla |" in report
     code, stdout, _ = run(["show", str(out)], capsys)
-    assert code == 0 and "ctx 363 and above, batch 4 and above: " in stdout
+    # The schedule as a table: a row per batch range, a column per context band.
+    assert code == 0 and "ctx 363 and above (tuned 512)" in stdout
+    assert re.search(r"^\s+4 and above\s+K \d", stdout, re.M), stdout
 
     # One context: the profile it always was (no context keys, the same study names), and
     # its schedule is the longest context's band above, measured the same way first.
