@@ -37,11 +37,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from vegas_core import SpecConfig, SpecSchedule, VegasError, generate, load_model  # noqa: E402
 from vegas_core.schedule import VANILLA, config_words  # noqa: E402
-from vegas_core.spec_config import DRAFTERS  # noqa: E402
 from bench.acceptance import hardware, with_ext, write_atomic  # noqa: E402
 from bench.bench_args import add_model_args, add_output_args  # noqa: E402
+from bench.spec_options import parse_config  # noqa: E402
 
-_TYPES = {f.name: f.type for f in fields(SpecConfig)}
+# Unlike the other benches, which set gamma and the budget for all configurations
+# alike, each configuration here names its own.
+EVERY_FIELD = tuple(f.name for f in fields(SpecConfig) if f.name != "drafter")
 SWITCHING = "switching"
 
 
@@ -50,22 +52,7 @@ def parse_switch_config(text: str) -> SpecConfig | None:
     and the budget included) -> that configuration."""
     if text == VANILLA:
         return None
-    drafter, _, rest = text.partition(":")
-    if drafter not in DRAFTERS:
-        raise VegasError(f"unknown drafter '{drafter}' in '{text}'; choose '{VANILLA}' or "
-                         f"one of: {', '.join(DRAFTERS)}")
-    options: dict = {}
-    for item in filter(None, rest.split(",")):
-        name, eq, value = item.partition("=")
-        if not eq or name not in _TYPES or name == "drafter":
-            raise VegasError(f"'{item}' in '{text}' is not name=value with a SpecConfig "
-                             f"field: {', '.join(n for n in _TYPES if n != 'drafter')}")
-        kind = _TYPES[name]
-        try:
-            options[name] = (float(value) if kind in ("float", float)
-                             else int(value) if kind in ("int", int) else value)
-        except ValueError:
-            raise VegasError(f"'{item}' in '{text}': {name} takes a number") from None
+    _, drafter, options = parse_config(text, EVERY_FIELD)
     return SpecConfig(drafter=drafter, **options)
 
 

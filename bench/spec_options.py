@@ -16,8 +16,9 @@ FLOAT_OPTIONS = tuple(f.name for f in fields(SpecConfig) if f.type in ("float", 
 INT_OPTIONS = tuple(f.name for f in fields(SpecConfig) if f.type in ("int", int))
 
 
-def parse_config(text: str) -> tuple[str, str, dict]:
-    """``text`` -> (label, drafter, options), checked by building a SpecConfig."""
+def parse_config(text: str, names: tuple[str, ...] = OPTIONS) -> tuple[str, str, dict]:
+    """``text`` -> (label, drafter, options), checked by building a SpecConfig; the
+    options may be ``names`` (by default the selection options)."""
     drafter, _, rest = text.partition(":")
     if drafter not in DRAFTERS:
         raise VegasError(f"unknown drafter '{drafter}' in '{text}'; choose one of: "
@@ -25,9 +26,9 @@ def parse_config(text: str) -> tuple[str, str, dict]:
     options: dict = {}
     for item in filter(None, rest.split(",")):
         name, eq, value = item.partition("=")
-        if not eq or name not in OPTIONS:
-            raise VegasError(f"'{item}' in '{text}' is not name=value with a name of: "
-                             f"{', '.join(OPTIONS)}")
+        if not eq or name not in names:
+            raise VegasError(f"'{item}' in '{text}' is not name=value with a SpecConfig "
+                             f"field of: {', '.join(names)}")
         try:
             options[name] = (float(value) if name in FLOAT_OPTIONS
                              else int(value) if name in INT_OPTIONS else value)

@@ -1227,7 +1227,12 @@ def test_model_path_records_names_and_paths_relative_to_the_working_folder(tmp_p
 def several_contexts_dict() -> dict:
     """The sample profile tuned at 4096 and 8192 tokens: the same entries in both bands."""
     data = sample_profile_dict()
-    short, long = copy.deepcopy(data["schedule"]), data["schedule"]
+    return _in_two_bands(data, copy.deepcopy(data["schedule"]))
+
+
+def _in_two_bands(data: dict, short: list[dict]) -> dict:
+    """``data`` tuned at 4096 tokens (entries ``short``) and 8192 (its schedule)."""
+    long = data["schedule"]
     for (low, high), entries, ctx in zip(context_bands([4096, 8192]), (short, long),
                                          (4096, 8192)):
         for entry in entries:
@@ -1242,14 +1247,7 @@ def uneven_contexts_dict() -> dict:
     and 8192 tokens, where batch 64 was not tuned at 4096 (so 9 and above run the entry
     measured at 8 there)."""
     data = three_size_profile_dict()
-    long = data["schedule"]
-    short = copy.deepcopy(long[:2])
-    for (low, high), entries, ctx in zip(context_bands([4096, 8192]), (short, long),
-                                         (4096, 8192)):
-        for entry in entries:
-            entry.update(ctx_min=low, ctx_max=high, ctx=ctx)
-    data["schedule"] = short + long
-    data["workload"]["contexts"] = [4096, 8192]
+    data = _in_two_bands(data, copy.deepcopy(data["schedule"][:2]))
     data["not_tuned"] = [{"batch_size": 64, "ctx": 4096, "reason": "out of memory"}]
     return data
 
