@@ -112,23 +112,15 @@ class Measuring:
         self.studies, self.measurers, self.options = studies, measurers, options
 
     def guarded(self, trial, claim: str, measure: Callable[[], object]):
-        """Claim ``claim`` for ``trial`` (``Studies.claim``), then run ``measure``. Out
-        of memory (on a GPU or the CPU, ``measure.out_of_memory``), it runs once more after
-        freeing the graphs kept for configurations measured earlier: where the cache fills
-        most of the GPU, those (one set per gamma and budget) are what a new configuration
-        lacks room for. Out of memory again, the trial fails with its reason recorded (not
+        """Claim ``claim`` for ``trial`` (``Studies.claim``), then run ``measure``, whose
+        measurements retry once after freeing kept graphs
+        (``Measurer.measure_freeing_graphs``). Out of memory even so (on a GPU or the
+        CPU, ``measure.out_of_memory``), the trial fails with its reason recorded (not
         retried on resume) and the tuner goes on."""
         self.studies.claim(trial.study, trial, claim)
         try:
             with self.studies.interrupts.interruptible():
-                try:
-                    return measure()
-                except (RuntimeError, MemoryError) as e:
-                    if not out_of_memory(e) or not self._forget_kept_graphs():
-                        raise
-                    log.info("out of memory: freed the graphs kept for earlier "
-                             "configurations, measuring again")
-                    return measure()
+                return measure()
         except (RuntimeError, MemoryError) as e:
             if not out_of_memory(e):
                 raise
@@ -141,16 +133,6 @@ class Measuring:
             # The CPU allocator's failure, as the one type the studies and the tuner
             # record as out of memory (a failed trial, a size not tuned), not a bug.
             raise torch.OutOfMemoryError(reason) from e
-
-    def _forget_kept_graphs(self) -> bool:
-        """Free every measurer's kept graphs (one model: one workspace); False when
-        there was nothing to free."""
-        freed = False
-        for measurer in self.measurers.values():  # every one: no short-circuit
-            freed = measurer.forget_kept_graphs() or freed
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        return freed
 
     @staticmethod
     def store(trial, attrs: dict, spec: SpecConfig | None) -> None:
@@ -166,7 +148,8 @@ class Measuring:
         spec = spec_of_claim(claim)
         trial.set_user_attr("batch_size", batch)
         measurer = self.measurers[batch]
-        attrs = self.guarded(trial, claim, lambda: measurer.measure(spec)).as_attrs()
+        attrs = self.guarded(trial, claim,
+                             lambda: measurer.measure_freeing_graphs(spec)).as_attrs()
         self.store(trial, attrs, spec)
         return attrs
 
