@@ -383,3 +383,24 @@ def test_the_switch_bench_reads_vanilla_and_every_speculative_field():
     assert [schedule.for_batch(8, c) for c in (10, 11, 14, 15, 19, 30)] == [
         None, SpecConfig(gamma=2), SpecConfig(gamma=2), None, SpecConfig(gamma=2),
         SpecConfig(gamma=2)]
+
+
+def test_the_graph_acceptance_bench_measures_each_mode_from_a_released_workspace(tmp_path):
+    """On the CPU every mode runs the reference attention, so all three must accept alike;
+    on a GPU this is the comparison of captured drafts with eager ones."""
+    import json
+
+    from bench.graph_acceptance import main
+
+    out = tmp_path / "modes"
+    main(["--model", "dummy:tiny", "--device", "cpu", "--dtype", "float32", "--ctx", "60",
+          "--batch-sizes", "2", "--max-new-tokens", "12", "--configs",
+          "vegas:gamma=3,min_tokens=8", "streaming:gamma=2,min_tokens=8", "--out", str(out)])
+    rows = json.loads(out.with_name("modes.json").read_text())["rows"]
+    assert [(r["mode"], r["config"]) for r in rows] == [
+        (m, c) for m in ("graphs", "eager", "reference")
+        for c in ("vegas:gamma=3,min_tokens=8", "streaming:gamma=2,min_tokens=8")]
+    for config in {r["config"] for r in rows}:
+        assert len({r["mean_accepted_length"] for r in rows if r["config"] == config}) == 1
+    assert "| 2 | `streaming:gamma=2,min_tokens=8` | reference |" in out.with_name(
+        "modes.md").read_text()

@@ -279,8 +279,7 @@ def test_split_kernels_merge_in_their_last_program(monkeypatch, kernel):
                                           indices, counts, tail_start, sinks.double()),)
     assert launch.merges_in_kernel(splits, q.shape[1] * heads // kv_heads, dim)
     in_kernel = run()
-    counters = split_merge._counters[torch.device(DEVICE) if DEVICE == "cpu"
-                                     else torch.device("cuda", torch.cuda.current_device())]
+    counters = split_merge._counters[split_merge.counters_device(DEVICE)]
     assert counters.eq(0).all()
     monkeypatch.setattr(verify_module, "split_counters", lambda *a: None)
     if kernel == "sparse":
@@ -473,6 +472,62 @@ def test_one_launch_serves_two_lengths():
         ref_draft = reference_sparse_attention(q[:, -1:].double(), k.double(), v.double(),
                                                positions[:, -1:], indices, counts, tail_start)
         torch.testing.assert_close(draft.double(), ref_draft, atol=tol, rtol=tol)
+
+
+def test_a_full_batch_draft_step_replayed_many_times_matches_the_reference(monkeypatch):
+    """The draft step's attention where a batch fills the GPU: as many sequences as SMs
+    (Gemma3-270M's shape: 4 query heads on one KV head of 256 dims), so that the sparse
+    kernel over the static key bound of a captured step (list capacity + cache) runs two
+    splits of BLOCK_N-slot tiles, and a sliding layer's 512-slot window two splits too,
+    both merged by their last programs through the shared counters. Replayed as decode
+    steps are, with positions, lists and tails moving and the two launches taking turns
+    on the counters, every replay equals the reference and leaves the counters at 0. On
+    the CPU the same launch shape comes from a batch of 2 on a pretended 2-SM device."""
+    if DEVICE != "cuda":
+        monkeypatch.setattr(launch, "sm_count", lambda device: 2)
+    device = torch.device(DEVICE)
+    heads, kv_heads, dim, slots, window, width = 4, 1, 256, 1024, 512, 640
+    batch = launch.sm_count(device)
+    max_keys = width + slots  # the bound a captured draft step passes
+    splits, block_n = launch.sparse_tiling(device, batch * kv_heads, max_keys)
+    assert (splits, block_n) == (2, BLOCK_N)
+    assert launch.splits_for(device, batch * kv_heads, window, launch.tile_slots(dim)) == 2
+    assert launch.merges_in_kernel(splits, heads // kv_heads, dim)
+    q = randn(batch, 1, heads, dim, dtype=torch.float32, seed=11)
+    k = randn(batch, kv_heads, slots, dim, dtype=torch.float32, seed=12)
+    v = randn(batch, kv_heads, slots, dim, dtype=torch.float32, seed=13)
+    positions = torch.zeros(batch, 1, dtype=torch.long, device=DEVICE)
+    indices = torch.zeros(batch, 1, width, dtype=torch.long, device=DEVICE)
+    counts = torch.zeros(batch, dtype=torch.long, device=DEVICE)
+    tail_start = torch.zeros(batch, dtype=torch.long, device=DEVICE)
+
+    def step():
+        draft = sparse_attention(q, k, v, positions, indices, counts, tail_start, max_keys)
+        local, _, _ = verify_attention(q, k, v, positions, slots, window=window)
+        return draft, local
+
+    replay = captured(step)
+    g = torch.Generator().manual_seed(14)
+    rows = torch.arange(batch)
+    # (budget, tail): a small budget whose tail is a split of its own, one that ends a
+    # split exactly, and a large one; each sequence at its own position.
+    for budget, tail in ((128, 5), (128, 0), (600, 6), (37, 3)):
+        ends = (slots - 1 - (rows * 7 + budget) % 200).tolist()
+        positions.copy_(torch.tensor(ends)[:, None])
+        tail_start.copy_(torch.tensor([e - tail for e in ends]))
+        counts.copy_(torch.full((batch,), budget))
+        indices.copy_(selected_slots([e - tail for e in ends], 1, width, g))
+        draft, local = replay()
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+        want = reference_sparse_attention(q.double(), k.double(), v.double(), positions,
+                                          indices, counts, tail_start)
+        tol = TOLERANCE[torch.float32]
+        torch.testing.assert_close(draft.double(), want, atol=tol, rtol=tol)
+        want_local, _, _ = reference_verify_attention(q.double(), k.double(), v.double(),
+                                                      positions, slots, window=window)
+        torch.testing.assert_close(local.double(), want_local, atol=tol, rtol=tol)
+        assert split_merge._counters[split_merge.counters_device(device)].eq(0).all()
 
 
 def assert_same_top_slots(got, scores, prefix, budget, k_cap, sum_heads, reserved):

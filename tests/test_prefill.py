@@ -81,6 +81,18 @@ def test_prefill_attention_in_half_precision_is_close_to_float32(device, start):
         assert (got - want).abs().max().item() < 2e-2
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("start, window", [(0, None), (700, None), (0, 512), (700, 512)])
+def test_prefill_at_gemma3_shapes_in_half_precision_is_close_to_float32(device, start, window):
+    """Gemma3-270M's heads (4 query heads on one KV head of 256 dims), its 512-slot window
+    and a block after a prefix: the backends each case reaches on a GPU (cuDNN, FlashAttention's
+    lower-right mask, the windowed blocks) at a head dim the shapes above do not reach."""
+    q, k, v = random_block(2, 600, 4, 1, 256, start, torch.bfloat16, device, seed=start + 1)
+    want = reference_prefill_attention(q.float(), k.float(), v.float(), start, window)
+    got = prefill_attention(q, k, v, start, window).float()
+    assert (got - want).abs().max().item() < 2e-2
+
+
 def test_prefill_attention_memory_grows_linearly():
     """A fused block holds no [T, S] score matrix: doubling the context roughly doubles
     the extra memory a prefill forward takes (it would quadruple otherwise)."""

@@ -37,9 +37,9 @@ try:
 except ImportError:  # CPU-only installs: the references are used
     triton = None
 
-__all__ = ["merge_args", "merge_block", "merge_if_last", "merge_partials", "scaled_scores",
-           "softmax_step", "split_buffers", "split_counters", "split_range", "store_partials",
-           "store_rows"]
+__all__ = ["counters_device", "merge_args", "merge_block", "merge_if_last", "merge_partials",
+           "scaled_scores", "softmax_step", "split_buffers", "split_counters", "split_range",
+           "store_partials", "store_rows"]
 
 
 if triton is not None:
@@ -246,6 +246,14 @@ _counters: dict[torch.device, torch.Tensor] = {}
 _retired_counters: list[torch.Tensor] = []
 
 
+def counters_device(device) -> torch.device:
+    """The device ``split_counters`` keeps a buffer for: a CUDA device with its index."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def split_counters(device, n: int) -> torch.Tensor | None:
     """Zeroed int32 counters [>= n] for the split kernels' last-program merge, one per
     (sequence, KV head): every program of a launch adds 1 and the last one sets its
@@ -254,9 +262,7 @@ def split_counters(device, n: int) -> torch.Tensor | None:
     captured with no buffer of that size yet: allocating one then would record it in the
     graph's private pool, so that launch merges in a kernel of its own (the engine's
     eager warm-up runs allocate it before any capture)."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = counters_device(device)
     have = _counters.get(device)
     if have is None or have.numel() < n:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():

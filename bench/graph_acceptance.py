@@ -1,0 +1,123 @@
+"""Do captured draft steps accept what eager ones do? Acceptance by execution mode.
+
+The tuner's measurement (``vegas_tune.measure.Measurer``: its prompts, steady window and
+accepted-length count) of each configuration, at each batch size, in three modes:
+
+- ``graphs``: the kernels on static buffers, captured in CUDA graphs (what the tuner and
+  ``vegas generate`` run on a GPU);
+- ``eager``: the same kernels launched eagerly, sized from the host's lengths
+  (``VEGAS_CUDA_GRAPHS=0``);
+- ``reference``: the PyTorch reference attention, eagerly (``VEGAS_ATTENTION=reference``).
+
+The three compute the same drafts up to the order of floating-point sums, so their mean
+accepted lengths must agree within a few hundredths; a mode that accepts less drafts
+from something else than the others do. Each (batch size, mode) starts from a released
+workspace: prompts prefilled again, no graph kept from another mode.
+
+    python bench/graph_acceptance.py --model gemma3-270m --ctx 32000 --batch-sizes 16,128 \\
+        --configs streaming:gamma=4,min_tokens=2048,sparsity=0.06 \\
+                  vegas:gamma=4,min_tokens=128,sparsity=0.004 --out runs/graph-acceptance
+    python bench/graph_acceptance.py --model dummy:tiny --device cpu --dtype float32 \\
+        --ctx 200 --batch-sizes 2 --modes eager,reference --configs vegas:gamma=3,min_tokens=16
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from vegas_core import load_model  # noqa: E402
+from vegas_core.schedule import config_words  # noqa: E402
+from vegas_tune.datasets import load_prompts  # noqa: E402
+from vegas_tune.measure import Measurer, Workload  # noqa: E402
+from bench.acceptance import hardware, with_ext, write_atomic  # noqa: E402
+from bench.bench_args import add_model_args, add_output_args  # noqa: E402
+from bench.schedule_switch import parse_switch_config  # noqa: E402
+
+# Environment of each mode (unset variables take the engine's defaults).
+MODES = {"graphs": {"VEGAS_CUDA_GRAPHS": "auto"},
+         "eager": {"VEGAS_CUDA_GRAPHS": "0"},
+         "reference": {"VEGAS_CUDA_GRAPHS": "0", "VEGAS_ATTENTION": "reference"}}
+
+
+def measure_modes(model, prompts, batch_sizes, configs, modes, max_new_tokens, seed) -> list[dict]:
+    rows = []
+    for batch in batch_sizes:
+        for mode in modes:
+            saved = {k: os.environ.get(k) for k in MODES[mode]}
+            os.environ.update(MODES[mode])
+            try:
+                measurer = Measurer(model, Workload(prompts[:batch], batch, max_new_tokens,
+                                                    0.0, seed))
+                for text, spec in configs:
+                    m = measurer.measure(spec)
+                    rows.append({"batch_size": batch, "mode": mode, "config": text,
+                                 "mean_accepted_length": m.mean_accepted_length,
+                                 "tokens_per_second": m.tokens_per_second})
+                    print(f"batch {batch} {mode:9s} {config_words(spec)}: accepted "
+                          f"{m.mean_accepted_length:.3f}, {m.tokens_per_second:.0f} tok/s",
+                          flush=True)
+                measurer.release()
+            finally:
+                for k, v in saved.items():
+                    os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    return rows
+
+
+def markdown(rows: list[dict], meta: dict) -> str:
+    lines = [f"# Acceptance by execution mode ({meta['hardware']}, {meta['date']})", "",
+             f"`{meta['command']}`", "",
+             "| batch | configuration | mode | mean accepted length | tokens/s |",
+             "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['batch_size']} | `{r['config']}` | {r['mode']} | "
+                     f"{r['mean_accepted_length']:.3f} | {r['tokens_per_second']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_model_args(p, dtype="auto")
+    p.add_argument("--ctx", type=int, default=8000)
+    p.add_argument("--dataset", default="mixed")
+    p.add_argument("--batch-sizes", default="16,128")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--modes", default="graphs,eager,reference")
+    p.add_argument("--configs", nargs="+", required=True,
+                   help="DRAFTER:name=value,... (any SpecConfig field)")
+    add_output_args(p, "runs/graph-acceptance", "rows of an earlier run to summarize")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    if args.from_json:
+        data = json.loads(args.from_json.read_text())
+        print(markdown(data["rows"], data["meta"]))
+        return
+    modes = args.modes.split(",")
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        p.error(f"--modes: unknown {', '.join(unknown)}; choose from {', '.join(MODES)}")
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    configs = [(text, parse_switch_config(text)) for text in args.configs]
+    if any(spec is None for _, spec in configs):
+        p.error("--configs: vanilla drafts nothing; give speculative configurations")
+    model = load_model(args.model, device=args.device, dtype=args.dtype)
+    prompts = load_prompts(model.tokenizer, args.dataset, args.ctx, max(batch_sizes), args.seed)
+    rows = measure_modes(model, prompts, batch_sizes, configs, modes, args.max_new_tokens,
+                         args.seed)
+    meta = {"hardware": hardware(), "date": datetime.date.today().isoformat(),
+            "command": "python bench/graph_acceptance.py " + shlex.join(sys.argv[1:])}
+    write_atomic(with_ext(out, ".json"), json.dumps({"meta": meta, "rows": rows}, indent=1))
+    write_atomic(with_ext(out, ".md"), markdown(rows, meta))
+    print(f"wrote {with_ext(out, '.md')}")
+
+
+if __name__ == "__main__":
+    main()
