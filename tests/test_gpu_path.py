@@ -301,3 +301,26 @@ def test_drafts_replayed_from_graphs_at_a_full_batch_accept_as_eager_ones(drafte
     # The split counts differ (a graph's static key bound against the eager step's), so
     # sums run in another order: allow a rare flipped choice, not a lost share.
     assert accepted["auto"] == pytest.approx(accepted["0"], abs=0.02)
+
+
+# The poked counter makes launches merge stale partials: overflows in the interpreter.
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_a_call_that_leaves_merge_counters_out_of_phase_fails_and_resets_them(model,
+                                                                              monkeypatch):
+    """The kernels' last-program merges leave their counters at 0; one left above 0 means
+    a launch merged incomplete partials (the fault measured on Gemma3 at batch 128,
+    docs/results/tuner-regret.md). ``generate`` says so rather than return what such
+    launches computed, and resets the counters so the next call starts clean."""
+    from vegas_core.errors import VegasError
+    from vegas_kernels import split_merge
+
+    use(monkeypatch, FAST)
+    generate(model, PROMPTS, max_new_tokens=2, ignore_eos=True)  # makes the counters
+    counters = split_merge._counters[split_merge.counters_device(DEVICE)]
+    assert counters.eq(0).all()
+    with torch.inference_mode():
+        counters[1] = 1  # as if a launch had merged before its last split arrived
+    with pytest.raises(VegasError, match="out of phase"):
+        generate(model, PROMPTS, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    assert counters.eq(0).all()
+    assert generate(model, PROMPTS, max_new_tokens=NEW_TOKENS, ignore_eos=True).tokens

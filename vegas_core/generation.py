@@ -43,6 +43,7 @@ from vegas_core.prefill import (PrefixCache, ProgressFn, check_lengths, encode_p
 from vegas_core.sampling import SamplingParams, choose_tokens
 from vegas_core.schedule import SpecSchedule, config_words
 from vegas_core.speculative import SpeculativeSession
+from vegas_kernels.split_merge import counters_out_of_phase
 
 if TYPE_CHECKING:
     from vegas_core.spec_config import SpecConfig
@@ -467,6 +468,14 @@ def generate(
                        stop_after_steady, warmup_iterations)
     sync(dev)
     t2 = time.perf_counter()
+    stuck = counters_out_of_phase(dev)
+    if stuck:
+        raise VegasError(
+            f"{stuck} merge counter(s) of the attention kernels were left out of phase by "
+            "this call: some attention outputs were merged from incomplete partials, so "
+            "its tokens and statistics cannot be trusted (a fault of the engine; see "
+            "docs/results/tuner-regret.md). The counters are reset: run again, and "
+            "report it if it repeats")
 
     out = rec.out
     common = dict(

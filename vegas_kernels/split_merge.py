@@ -37,9 +37,9 @@ try:
 except ImportError:  # CPU-only installs: the references are used
     triton = None
 
-__all__ = ["counters_device", "merge_args", "merge_block", "merge_if_last", "merge_partials",
-           "scaled_scores", "softmax_step", "split_buffers", "split_counters", "split_range",
-           "store_partials", "store_rows"]
+__all__ = ["counters_device", "counters_out_of_phase", "merge_args", "merge_block",
+           "merge_if_last", "merge_partials", "scaled_scores", "softmax_step", "split_buffers",
+           "split_counters", "split_range", "store_partials", "store_rows"]
 
 
 if triton is not None:
@@ -273,6 +273,27 @@ def split_counters(device, n: int) -> torch.Tensor | None:
                            device=device, dtype=torch.int32)
         _counters[device] = have
     return have
+
+
+def counters_out_of_phase(device) -> int:
+    """How many of ``device``'s split counters are not at rest, which it then resets.
+
+    Every launch that merges in its last programs leaves its counters at 0, so once the
+    device has finished its work a counter above 0 means some launch merged before all
+    its splits had stored their partials (or never merged), and every later launch on
+    that counter would do the same: their outputs are wrong. Read once per call by
+    ``vegas_core.generate``; cheap (a few hundred bytes)."""
+    device = counters_device(device)
+    stuck = 0
+    for counters in (_counters.get(device), *_retired_counters):
+        if counters is None or counters.device != device:
+            continue
+        count = int(counters.ne(0).sum())
+        if count:
+            with torch.inference_mode():  # the kernels' callers made it in that mode
+                counters.zero_()
+            stuck += count
+    return stuck
 
 
 def merge_args(partials, out: torch.Tensor, lse: torch.Tensor | None, counters,
