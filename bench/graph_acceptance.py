@@ -11,7 +11,8 @@ accepted-length count) of each configuration, at each batch size, in three modes
 
 The three compute the same drafts up to the order of floating-point sums, so their mean
 accepted lengths must agree within a few hundredths; a mode that accepts less drafts
-from something else than the others do. Each (batch size, mode) starts from a released
+from something else than the others do. A measurement that ``generate`` refuses (a
+kernel merge left out of phase) is a row of its own, with the error. Each (batch size, mode) starts from a released
 workspace: prompts prefilled again, no graph kept from another mode.
 
     python bench/graph_acceptance.py --model gemma3-270m --ctx 32000 --batch-sizes 16,128 \\
@@ -33,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from vegas_core import load_model  # noqa: E402
+from vegas_core import VegasError, load_model  # noqa: E402
 from vegas_core.schedule import config_words  # noqa: E402
 from vegas_tune.datasets import load_prompts  # noqa: E402
 from vegas_tune.measure import Measurer, Workload  # noqa: E402
@@ -57,9 +58,14 @@ def measure_modes(model, prompts, batch_sizes, configs, modes, max_new_tokens, s
                 measurer = Measurer(model, Workload(prompts[:batch], batch, max_new_tokens,
                                                     0.0, seed))
                 for text, spec in configs:
-                    m = measurer.measure(spec)
-                    rows.append({"batch_size": batch, "mode": mode, "config": text,
-                                 "mean_accepted_length": m.mean_accepted_length,
+                    row = {"batch_size": batch, "mode": mode, "config": text}
+                    try:
+                        m = measurer.measure(spec)
+                    except VegasError as e:  # e.g. a merge fault that generate caught
+                        rows.append({**row, "error": str(e)})
+                        print(f"batch {batch} {mode:9s} {config_words(spec)}: {e}", flush=True)
+                        continue
+                    rows.append({**row, "mean_accepted_length": m.mean_accepted_length,
                                  "tokens_per_second": m.tokens_per_second})
                     print(f"batch {batch} {mode:9s} {config_words(spec)}: accepted "
                           f"{m.mean_accepted_length:.3f}, {m.tokens_per_second:.0f} tok/s",
@@ -77,8 +83,9 @@ def markdown(rows: list[dict], meta: dict) -> str:
              "| batch | configuration | mode | mean accepted length | tokens/s |",
              "|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['batch_size']} | `{r['config']}` | {r['mode']} | "
-                     f"{r['mean_accepted_length']:.3f} | {r['tokens_per_second']:.0f} |")
+        figures = (f"failed: {r['error']} | |" if "error" in r else
+                   f"{r['mean_accepted_length']:.3f} | {r['tokens_per_second']:.0f} |")
+        lines.append(f"| {r['batch_size']} | `{r['config']}` | {r['mode']} | {figures}")
     return "\n".join(lines) + "\n"
 
 

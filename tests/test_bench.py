@@ -404,3 +404,31 @@ def test_the_graph_acceptance_bench_measures_each_mode_from_a_released_workspace
         assert len({r["mean_accepted_length"] for r in rows if r["config"] == config}) == 1
     assert "| 2 | `streaming:gamma=2,min_tokens=8` | reference |" in out.with_name(
         "modes.md").read_text()
+
+
+def test_the_graph_acceptance_bench_records_a_refused_measurement_and_goes_on(monkeypatch):
+    from bench import graph_acceptance
+    from vegas_core import load_model
+    from vegas_core.errors import VegasError
+    from vegas_tune.datasets import load_prompts
+    from vegas_tune.measure import Measurer
+
+    calls = []
+    measure = Measurer.measure
+
+    def first_fails(self, spec, report=None):
+        calls.append(spec)
+        if len(calls) == 1:
+            raise VegasError("1 merge counter(s) of the attention kernels were left out of phase")
+        return measure(self, spec, report)
+
+    monkeypatch.setattr(Measurer, "measure", first_fails)
+    model = load_model("dummy:tiny", device="cpu", dtype="float32")
+    prompts = load_prompts(model.tokenizer, "mixed", 60, 2, 0)
+    config = "vegas:gamma=3,min_tokens=8"
+    rows = graph_acceptance.measure_modes(
+        model, prompts, [2], [(config, graph_acceptance.parse_switch_config(config))],
+        ["eager", "reference"], 12, 0)
+    assert "out of phase" in rows[0]["error"] and rows[1]["mean_accepted_length"] > 1
+    table = graph_acceptance.markdown(rows, {"hardware": "cpu", "date": "d", "command": "c"})
+    assert "| 2 | `vegas:gamma=3,min_tokens=8` | eager | failed: 1 merge counter(s)" in table
