@@ -1,19 +1,26 @@
 """Do captured draft steps accept what eager ones do? Acceptance by execution mode.
 
 The tuner's measurement (``vegas_tune.measure.Measurer``: its prompts, steady window and
-accepted-length count) of each configuration, at each batch size, in three modes:
+accepted-length count) of each configuration, at each batch size, in these modes:
 
 - ``graphs``: the kernels on static buffers, captured in CUDA graphs (what the tuner and
   ``vegas generate`` run on a GPU);
-- ``eager``: the same kernels launched eagerly, sized from the host's lengths
+- ``graphs-merge-launch``: the same, but no split kernel merges in its last program
+  (``launch.merges_in_kernel`` answers no): the partials always go to a merge launch,
+  and the split counters are never used;
+- ``graphs-private-pools``: the same as ``graphs``, but each graph captured into a
+  memory pool of its own rather than the workspace's shared one;
+- ``eager``: the kernels launched eagerly, sized from the host's lengths
   (``VEGAS_CUDA_GRAPHS=0``);
 - ``reference``: the PyTorch reference attention, eagerly (``VEGAS_ATTENTION=reference``).
 
-The three compute the same drafts up to the order of floating-point sums, so their mean
+All compute the same drafts up to the order of floating-point sums, so their mean
 accepted lengths must agree within a few hundredths; a mode that accepts less drafts
-from something else than the others do. A measurement that ``generate`` refuses (a
-kernel merge left out of phase) is a row of its own, with the error. Each (batch size, mode) starts from a released
-workspace: prompts prefilled again, no graph kept from another mode.
+from something else than the others do, and the two variants of ``graphs`` say whether
+the last-program merge or the shared pool is involved. A measurement that ``generate``
+refuses (a kernel merge left out of phase) is a row of its own, with the error. Each
+(batch size, mode) starts from a released workspace: prompts prefilled again, no graph
+kept from another mode.
 
     python bench/graph_acceptance.py --model gemma3-270m --ctx 32000 --batch-sizes 16,128 \\
         --configs streaming:gamma=4,min_tokens=2048,sparsity=0.06 \\
@@ -25,6 +32,7 @@ workspace: prompts prefilled again, no graph kept from another mode.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -35,26 +43,78 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from vegas_core import VegasError, load_model  # noqa: E402
+from vegas_core import graphs  # noqa: E402
 from vegas_core.schedule import config_words  # noqa: E402
+from vegas_kernels import launch  # noqa: E402
 from vegas_tune.datasets import load_prompts  # noqa: E402
 from vegas_tune.measure import Measurer, Workload  # noqa: E402
 from bench.acceptance import hardware, with_ext, write_atomic  # noqa: E402
 from bench.bench_args import add_model_args, add_output_args  # noqa: E402
 from bench.schedule_switch import parse_switch_config  # noqa: E402
 
-# Environment of each mode (unset variables take the engine's defaults).
-MODES = {"graphs": {"VEGAS_CUDA_GRAPHS": "auto"},
-         "eager": {"VEGAS_CUDA_GRAPHS": "0"},
-         "reference": {"VEGAS_CUDA_GRAPHS": "0", "VEGAS_ATTENTION": "reference"}}
+
+@contextlib.contextmanager
+def _environment(values: dict):
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+
+
+@contextlib.contextmanager
+def _patched(module, name: str, value):
+    saved = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, saved)
+
+
+def _private_pool_step_graph():
+    """``graphs.StepGraph`` capturing into a pool of its own, whatever it is given."""
+    shared = graphs.StepGraph
+
+    class PrivatePool(shared):
+        def __init__(self, body, device, pool=None):
+            super().__init__(body, device, None)
+
+    return PrivatePool
+
+
+CAPTURED = {"VEGAS_CUDA_GRAPHS": "auto"}
+EAGER = {"VEGAS_CUDA_GRAPHS": "0"}
+# Each mode: () -> a context manager that sets it up (unset variables keep the engine's
+# defaults).
+MODES = {
+    "graphs": lambda: _environment(CAPTURED),
+    "graphs-merge-launch": lambda: _merge_launch_only(),
+    "graphs-private-pools": lambda: _private_pools(),
+    "eager": lambda: _environment(EAGER),
+    "reference": lambda: _environment({**EAGER, "VEGAS_ATTENTION": "reference"}),
+}
+
+
+@contextlib.contextmanager
+def _merge_launch_only():
+    with _environment(CAPTURED), _patched(launch, "merges_in_kernel", lambda *a: False):
+        yield
+
+
+@contextlib.contextmanager
+def _private_pools():
+    with _environment(CAPTURED), _patched(graphs, "StepGraph", _private_pool_step_graph()):
+        yield
 
 
 def measure_modes(model, prompts, batch_sizes, configs, modes, max_new_tokens, seed) -> list[dict]:
     rows = []
     for batch in batch_sizes:
         for mode in modes:
-            saved = {k: os.environ.get(k) for k in MODES[mode]}
-            os.environ.update(MODES[mode])
-            try:
+            with MODES[mode]():
                 measurer = Measurer(model, Workload(prompts[:batch], batch, max_new_tokens,
                                                     0.0, seed))
                 for text, spec in configs:
@@ -63,17 +123,14 @@ def measure_modes(model, prompts, batch_sizes, configs, modes, max_new_tokens, s
                         m = measurer.measure(spec)
                     except VegasError as e:  # e.g. a merge fault that generate caught
                         rows.append({**row, "error": str(e)})
-                        print(f"batch {batch} {mode:9s} {config_words(spec)}: {e}", flush=True)
+                        print(f"batch {batch} {mode:20s} {config_words(spec)}: {e}", flush=True)
                         continue
                     rows.append({**row, "mean_accepted_length": m.mean_accepted_length,
                                  "tokens_per_second": m.tokens_per_second})
-                    print(f"batch {batch} {mode:9s} {config_words(spec)}: accepted "
+                    print(f"batch {batch} {mode:20s} {config_words(spec)}: accepted "
                           f"{m.mean_accepted_length:.3f}, {m.tokens_per_second:.0f} tok/s",
                           flush=True)
                 measurer.release()
-            finally:
-                for k, v in saved.items():
-                    os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
     return rows
 
 

@@ -432,3 +432,23 @@ def test_the_graph_acceptance_bench_records_a_refused_measurement_and_goes_on(mo
     assert "out of phase" in rows[0]["error"] and rows[1]["mean_accepted_length"] > 1
     table = graph_acceptance.markdown(rows, {"hardware": "cpu", "date": "d", "command": "c"})
     assert "| 2 | `vegas:gamma=3,min_tokens=8` | eager | failed: 1 merge counter(s)" in table
+
+
+def test_the_graph_acceptance_benchs_diagnostic_modes_patch_and_restore():
+    """``graphs-merge-launch`` keeps every split kernel from merging in its last program,
+    ``graphs-private-pools`` captures each graph into its own pool; both capture (on a
+    GPU) and leave the engine as it was."""
+    import os
+
+    from bench.graph_acceptance import MODES
+    from vegas_core import graphs
+    from vegas_kernels import launch
+
+    assert launch.merges_in_kernel(2, 4, 256)
+    shared = graphs.StepGraph
+    with MODES["graphs-merge-launch"]():
+        assert not launch.merges_in_kernel(2, 4, 256)
+        assert os.environ["VEGAS_CUDA_GRAPHS"] == "auto"
+    with MODES["graphs-private-pools"]():
+        assert graphs.StepGraph(lambda: None, torch.device("cpu"), pool=object()).pool is None
+    assert launch.merges_in_kernel(2, 4, 256) and graphs.StepGraph is shared
