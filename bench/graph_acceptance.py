@@ -18,9 +18,9 @@ All compute the same drafts up to the order of floating-point sums, so their mea
 accepted lengths must agree within a few hundredths; a mode that accepts less drafts
 from something else than the others do, and the two variants of ``graphs`` say whether
 the last-program merge or the shared pool is involved. A measurement that ``generate``
-refuses (a kernel merge left out of phase) is a row of its own, with the error. Each
-(batch size, mode) starts from a released workspace: prompts prefilled again, no graph
-kept from another mode.
+refuses (a kernel merge left out of phase), or that runs out of memory, is a row of its
+own, with the error. Each (batch size, mode) starts from a released workspace: prompts
+prefilled again, no graph kept from another mode.
 
     python bench/graph_acceptance.py --model gemma3-270m --ctx 32000 --batch-sizes 16,128 \\
         --configs streaming:gamma=4,min_tokens=2048,sparsity=0.06 \\
@@ -47,7 +47,7 @@ from vegas_core import graphs  # noqa: E402
 from vegas_core.schedule import config_words  # noqa: E402
 from vegas_kernels import launch  # noqa: E402
 from vegas_tune.datasets import load_prompts  # noqa: E402
-from vegas_tune.measure import Measurer, Workload  # noqa: E402
+from vegas_tune.measure import Measurer, Workload, out_of_memory  # noqa: E402
 from bench.acceptance import hardware, with_ext, write_atomic  # noqa: E402
 from bench.bench_args import add_model_args, add_output_args  # noqa: E402
 from bench.schedule_switch import parse_switch_config  # noqa: E402
@@ -121,8 +121,12 @@ def measure_modes(model, prompts, batch_sizes, configs, modes, max_new_tokens, s
                     row = {"batch_size": batch, "mode": mode, "config": text}
                     try:
                         m = measurer.measure(spec)
-                    except VegasError as e:  # e.g. a merge fault that generate caught
-                        rows.append({**row, "error": str(e)})
+                    except (VegasError, RuntimeError, MemoryError) as e:
+                        # A merge fault that generate caught, or a mode out of memory
+                        # (private pools take more): a row of its own, and on.
+                        if not isinstance(e, VegasError) and not out_of_memory(e):
+                            raise
+                        rows.append({**row, "error": str(e).split("\n")[0]})
                         print(f"batch {batch} {mode:20s} {config_words(spec)}: {e}", flush=True)
                         continue
                     rows.append({**row, "mean_accepted_length": m.mean_accepted_length,
