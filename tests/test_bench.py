@@ -420,16 +420,24 @@ def test_the_graph_acceptance_bench_records_a_refused_measurement_and_goes_on(mo
         calls.append(spec)
         if len(calls) == 1:
             raise VegasError("1 merge counter(s) of the attention kernels were left out of phase")
+        if len(calls) == 2:
+            raise MemoryError("no room for a private graph pool")
+        if len(calls) == 3:
+            raise RuntimeError("a fault that is not a refusal")
         return measure(self, spec, report)
 
     monkeypatch.setattr(Measurer, "measure", first_fails)
     model = load_model("dummy:tiny", device="cpu", dtype="float32")
     prompts = load_prompts(model.tokenizer, "mixed", 60, 2, 0)
     config = "vegas:gamma=3,min_tokens=8"
-    rows = graph_acceptance.measure_modes(
-        model, prompts, [2], [(config, graph_acceptance.parse_switch_config(config))],
-        ["eager", "reference"], 12, 0)
-    assert "out of phase" in rows[0]["error"] and rows[1]["mean_accepted_length"] > 1
+    configs = [(config, graph_acceptance.parse_switch_config(config))]
+    rows = graph_acceptance.measure_modes(model, prompts, [2], configs,
+                                          ["eager", "reference"], 12, 0)
+    assert "out of phase" in rows[0]["error"] and "no room" in rows[1]["error"]
+    with pytest.raises(RuntimeError, match="not a refusal"):  # anything else stops the run
+        graph_acceptance.measure_modes(model, prompts, [2], configs, ["eager"], 12, 0)
+    rows += graph_acceptance.measure_modes(model, prompts, [2], configs, ["reference"], 12, 0)
+    assert rows[2]["mean_accepted_length"] > 1
     table = graph_acceptance.markdown(rows, {"hardware": "cpu", "date": "d", "command": "c"})
     assert "| 2 | `vegas:gamma=3,min_tokens=8` | eager | failed: 1 merge counter(s)" in table
 
