@@ -728,3 +728,17 @@ def test_hybrid_and_moe_models_on_the_static_kernel_path_match_the_reference(
     # Weight scores: the global layers' edge logits, lse with the sinks.
     assert run(spec=SpecConfig(drafter="vegas", gamma=2, sparsity=0.1, min_tokens=4,
                                score="weight")) == ref_vanilla
+
+
+def test_counters_out_of_phase_counts_and_resets_retired_buffers_too(monkeypatch):
+    """A graph captured before the counters grew keeps the old buffer: the check after a
+    call reads and resets it as well as the current one."""
+    monkeypatch.setattr(split_merge, "_counters", {})
+    monkeypatch.setattr(split_merge, "_retired_counters", [])
+    small = split_merge.split_counters("cpu", 4)
+    large = split_merge.split_counters("cpu", 16)
+    assert large is not small and split_merge._retired_counters == [small]
+    assert split_merge.counters_out_of_phase("cpu") == 0
+    small[1], large[3], large[5] = 1, 2, 1
+    assert split_merge.counters_out_of_phase("cpu") == 3
+    assert small.eq(0).all() and large.eq(0).all()
