@@ -39,6 +39,7 @@ import os
 import shlex
 import sys
 from pathlib import Path
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -53,60 +54,34 @@ from bench.bench_args import add_model_args, add_output_args  # noqa: E402
 from bench.schedule_switch import parse_switch_config  # noqa: E402
 
 
-@contextlib.contextmanager
-def _environment(values: dict):
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+class _PrivatePoolStepGraph(graphs.StepGraph):
+    """A ``StepGraph`` that captures into a pool of its own, whatever pool it is given."""
 
-
-@contextlib.contextmanager
-def _patched(module, name: str, value):
-    saved = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, saved)
-
-
-def _private_pool_step_graph():
-    """``graphs.StepGraph`` capturing into a pool of its own, whatever it is given."""
-    shared = graphs.StepGraph
-
-    class PrivatePool(shared):
-        def __init__(self, body, device, pool=None):
-            super().__init__(body, device, None)
-
-    return PrivatePool
+    def __init__(self, body, device, pool=None):
+        super().__init__(body, device, None)
 
 
 CAPTURED = {"VEGAS_CUDA_GRAPHS": "auto"}
 EAGER = {"VEGAS_CUDA_GRAPHS": "0"}
-# Each mode: () -> a context manager that sets it up (unset variables keep the engine's
-# defaults).
+# Each mode: the environment it sets (unset variables keep the engine's defaults) and the
+# (object, attribute, value) it patches while it runs.
 MODES = {
-    "graphs": lambda: _environment(CAPTURED),
-    "graphs-merge-launch": lambda: _merge_launch_only(),
-    "graphs-private-pools": lambda: _private_pools(),
-    "eager": lambda: _environment(EAGER),
-    "reference": lambda: _environment({**EAGER, "VEGAS_ATTENTION": "reference"}),
+    "graphs": (CAPTURED, ()),
+    "graphs-merge-launch": (CAPTURED, ((launch, "merges_in_kernel", lambda *a: False),)),
+    "graphs-private-pools": (CAPTURED, ((graphs, "StepGraph", _PrivatePoolStepGraph),)),
+    "eager": (EAGER, ()),
+    "reference": ({**EAGER, "VEGAS_ATTENTION": "reference"}, ()),
 }
 
 
 @contextlib.contextmanager
-def _merge_launch_only():
-    with _environment(CAPTURED), _patched(launch, "merges_in_kernel", lambda *a: False):
-        yield
-
-
-@contextlib.contextmanager
-def _private_pools():
-    with _environment(CAPTURED), _patched(graphs, "StepGraph", _private_pool_step_graph()):
+def in_mode(name: str):
+    """The engine set up as mode ``name`` runs, and given back as it was."""
+    env, patches = MODES[name]
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.dict(os.environ, env))
+        for target, attribute, value in patches:
+            stack.enter_context(mock.patch.object(target, attribute, value))
         yield
 
 
@@ -114,7 +89,7 @@ def measure_modes(model, prompts, batch_sizes, configs, modes, max_new_tokens, s
     rows = []
     for batch in batch_sizes:
         for mode in modes:
-            with MODES[mode]():
+            with in_mode(mode):
                 measurer = Measurer(model, Workload(prompts[:batch], batch, max_new_tokens,
                                                     0.0, seed))
                 for text, spec in configs:

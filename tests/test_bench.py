@@ -448,15 +448,15 @@ def test_the_graph_acceptance_benchs_diagnostic_modes_patch_and_restore():
     GPU) and leave the engine as it was."""
     import os
 
-    from bench.graph_acceptance import MODES
+    from bench.graph_acceptance import in_mode
     from vegas_core import graphs
     from vegas_kernels import launch
 
     assert launch.merges_in_kernel(2, 4, 256)
     shared = graphs.StepGraph
-    with MODES["graphs-merge-launch"]():
+    with in_mode("graphs-merge-launch"):
         assert not launch.merges_in_kernel(2, 4, 256)
         assert os.environ["VEGAS_CUDA_GRAPHS"] == "auto"
-    with MODES["graphs-private-pools"]():
+    with in_mode("graphs-private-pools"):
         assert graphs.StepGraph(lambda: None, torch.device("cpu"), pool=object()).pool is None
     assert launch.merges_in_kernel(2, 4, 256) and graphs.StepGraph is shared
