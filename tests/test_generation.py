@@ -156,3 +156,21 @@ def test_the_tools_ask_for_expandable_segments_unless_the_user_set_allocator_opt
     monkeypatch.setenv(graphs.ALLOCATOR_ENV, "max_split_size_mb:512")
     graphs.prefer_expandable_segments()
     assert os.environ[graphs.ALLOCATOR_ENV] == "max_split_size_mb:512"
+
+
+def test_drafters_collecting_from_different_layers_get_score_buffers_of_their_own_shape():
+    """A workspace keeps the kernels' score buffer across sessions; a drafter that
+    collects from more layers than the last one (vegas's selecting layers after
+    SpecExtend's last layer) must not be handed the smaller buffer, which the kernels
+    would write past."""
+    class Net:
+        def new_cache(self, batch, capacity):
+            return None
+
+    space = graphs.Workspace(Net(), 2, graphs.CAPACITY_STEP, torch.device("cpu"))
+    forwards = graphs.SpeculativeForwards(None, None, None, space, 64, torch.device("cpu"))
+    last_layer = forwards.score_buffer((1, 2, 1, 300))
+    selecting = forwards.score_buffer((3, 2, 1, 300))
+    assert last_layer.shape[:3] == (1, 2, 1) and selecting.shape[:3] == (3, 2, 1)
+    assert selecting.shape[-1] >= 300
+    assert forwards.score_buffer((3, 2, 1, 300)) is selecting  # kept for the next session

@@ -280,7 +280,10 @@ class SpeculativeForwards:
         *lead, slots = shape
         padded = (*lead, aligned_slots(slots))
         make = lambda: torch.empty(padded, dtype=torch.float32, device=self.device)  # noqa: E731
-        return self.space.get(("scores",), make) if self.static else make()
+        # Keyed by shape: drafters that collect from different layers (vegas's selecting
+        # layers, SpecExtend's last one) each need their own, or the kernels would write
+        # past a smaller one.
+        return self.space.get(("scores", padded), make) if self.static else make()
 
     def draft(self, sel, tokens: torch.Tensor, positions: torch.Tensor,
               kv_len: int) -> torch.Tensor:
