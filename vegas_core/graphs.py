@@ -229,7 +229,8 @@ def workspace(net, batch: int, min_len: int, device: torch.device) -> Workspace 
     if space is not None and space.cache.batch_size == batch and space.cache.max_len >= min_len:
         return space
     if space is not None:
-        del _workspaces[net], space  # free the old cache before allocating the new one
+        del _workspaces[net], space
+        gc.collect()  # free the old cache (dead sessions keep it in cycles) before the new
     capacity = -(-min_len // CAPACITY_STEP) * CAPACITY_STEP
     _workspaces[net] = Workspace(net, batch, capacity, device)
     return _workspaces[net]
@@ -247,7 +248,10 @@ def forget_kept_graphs(net) -> bool:
 
 def release_workspace(net) -> None:
     """Drop the model's kept cache and graphs (their memory returns to the allocator)."""
-    _workspaces.pop(net, None)
+    if _workspaces.pop(net, None) is not None:
+        # Dead sessions keep the workspace in reference cycles; the next workspace (a
+        # cache of most of the GPU) would not fit beside it.
+        gc.collect()
 
 
 class SpeculativeForwards:
