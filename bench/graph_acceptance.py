@@ -46,12 +46,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from vegas_core import VegasError, load_model  # noqa: E402
 from vegas_core import graphs  # noqa: E402
 from vegas_core.schedule import config_words  # noqa: E402
-from vegas_kernels import launch  # noqa: E402
+from vegas_kernels import launch, sparse_attention, split_merge  # noqa: E402
 from vegas_tune.datasets import load_prompts  # noqa: E402
 from vegas_tune.measure import Measurer, Workload, out_of_memory  # noqa: E402
 from bench.acceptance import hardware, with_ext, write_atomic  # noqa: E402
 from bench.bench_args import add_model_args, add_output_args  # noqa: E402
 from bench.schedule_switch import parse_switch_config  # noqa: E402
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: only the modes that need no kernel patch
+    triton = None
 
 
 class _PrivatePoolStepGraph(graphs.StepGraph):
@@ -59,6 +65,43 @@ class _PrivatePoolStepGraph(graphs.StepGraph):
 
     def __init__(self, body, device, pool=None):
         super().__init__(body, device, None)
+
+
+def _poisoned_split_buffers(b, h_kv, splits, rows, d, device):
+    """``split_buffers`` filled with NaN (a fill in the graph before every launch): a
+    merge that reads a partial its launch did not write turns its rows into NaN."""
+    acc, maxes, sums, live = split_merge.split_buffers(b, h_kv, splits, rows, d, device)
+    return acc.fill_(float("nan")), maxes.fill_(float("nan")), sums.fill_(float("nan")), live
+
+
+if triton is not None:
+
+    @triton.jit
+    def _fence_all_threads(x):
+        """Every thread that holds part of ``x`` runs a GPU-scope fence."""
+        return tl.inline_asm_elementwise("fence.acq_rel.gpu;\n\tmov.b32 $0, $1;", "=r,r",
+                                         [x.to(tl.int32)], dtype=tl.int32, is_pure=False,
+                                         pack=1)
+
+    @triton.jit
+    def _fenced_store_partials(ACC, MAX, SUM, LIVE, bh, split, acc_base, stat_base, sa_m,
+                               acc, m_i, l_i, live, start, end,
+                               ROWS: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr):
+        split_merge.store_partials(ACC, MAX, SUM, LIVE, bh, split, acc_base, stat_base, sa_m,
+                                   acc, m_i, l_i, live, start, end, ROWS, BLOCK_M, D)
+        _fence_all_threads(tl.arange(0, D))
+
+    @triton.jit
+    def _fenced_merge_block(ACC, MAX, SUM, SINKS, OUT, LSE, bh, rows, dims, live, lse_rows,
+                            sa_bh, sa_sp, sa_m, sm_bh, sm_sp, so_b, so_t, so_h, sl_b, sl_t,
+                            sl_h, H_KV: tl.constexpr, G: tl.constexpr, T: tl.constexpr,
+                            LANES: tl.constexpr, ROWS: tl.constexpr, DIMS: tl.constexpr,
+                            STORE_LSE: tl.constexpr, HAS_SINKS: tl.constexpr):
+        _fence_all_threads(dims)
+        split_merge.merge_block(ACC, MAX, SUM, SINKS, OUT, LSE, bh, rows, dims, live,
+                                lse_rows, sa_bh, sa_sp, sa_m, sm_bh, sm_sp, so_b, so_t, so_h,
+                                sl_b, sl_t, sl_h, H_KV, G, T, LANES, ROWS, DIMS, STORE_LSE,
+                                HAS_SINKS)
 
 
 CAPTURED = {"VEGAS_CUDA_GRAPHS": "auto"}
@@ -69,6 +112,14 @@ MODES = {
     "graphs": (CAPTURED, ()),
     "graphs-merge-launch": (CAPTURED, ((launch, "merges_in_kernel", lambda *a: False),)),
     "graphs-private-pools": (CAPTURED, ((graphs, "StepGraph", _PrivatePoolStepGraph),)),
+    # Diagnostics of the last-program merge, each in a process of its own (Triton keeps
+    # the first compilation of a kernel): every thread of the sparse kernel fences at GPU
+    # scope after storing its partials and before merging them; or the sparse kernel's
+    # partials are NaN until written.
+    "graphs-fenced": (CAPTURED, ((sparse_attention, "store_partials", _fenced_store_partials),
+                                 (split_merge, "merge_block", _fenced_merge_block))),
+    "graphs-poisoned": (CAPTURED, ((sparse_attention, "split_buffers",
+                                    _poisoned_split_buffers),)),
     "eager": (EAGER, ()),
     "reference": ({**EAGER, "VEGAS_ATTENTION": "reference"}, ()),
 }
