@@ -206,7 +206,9 @@ def gguf_tokenizer(gf: GGUFFile):
     if model != "gpt2" or pre not in _SPLIT_PATTERNS:
         # SentencePiece-style vocabularies: use transformers' converter for the same file.
         try:
-            tok = _converted_tokenizer(gf.path)
+            tok = _converted_tokenizer(gf)
+        except VegasError:
+            raise
         except Exception as e:
             raise VegasError(f"{gf.path.name}: cannot build its tokenizer ({model}/{pre}): {e}") from e
         return TransformersTokenizer(tok, eos_ids)
@@ -240,33 +242,79 @@ def gguf_tokenizer(gf: GGUFFile):
     )
 
 
-def _converted_tokenizer(path: Path):
+# Common words that SentencePiece vocabularies hold whole, as "\u2581" + word: a tokenizer
+# that follows the vocabulary encodes each to that one piece. transformers 5.17.0 converted
+# Gemma3-270M's GGUF tokenizer with no BOS and words cut into short pieces, and its saved
+# copy reloaded as one token per character (docs/results/tuner-regret.md).
+_PROBE_WORDS = ("the", "of", "and", "time", "return", "value", "first", "number", "people",
+                "world", "state", "system")
+_SPM_SPACE = "\u2581"
+# The first transformers release whose conversion of Gemma3's GGUF tokenizer, and the
+# saved copy of it, tokenize as the vocabulary says.
+GOOD_TRANSFORMERS = "5.25.0"
+
+
+def tokenizer_problem(tok, gf: GGUFFile) -> str | None:
+    """Why transformers' tokenizer ``tok`` does not tokenize as the GGUF file's vocabulary
+    says (a probe of common words, each a piece of its own, and the BOS the file asks
+    for), or None when it does or the vocabulary holds too few of the words to tell."""
+    index = {t: i for i, t in enumerate(gf.require("tokenizer.ggml.tokens"))}
+    words = [w for w in _PROBE_WORDS if _SPM_SPACE + w in index]
+    if len(words) < 3:
+        return None
+    text = "So " + " ".join(words)
+    ids = list(tok(text)["input_ids"])
+    eos = tok.eos_token_id
+    while ids and ids[-1] == eos:  # a tokenizer that appends its EOS
+        ids.pop()
+    want = [index[_SPM_SPACE + w] for w in words]
+    if ids[-len(want):] != want:
+        return (f"{text!r} encodes to {len(ids)} tokens ending {ids[-len(want):]}, not to "
+                f"the vocabulary's pieces {want}")
+    bos = gf.get("tokenizer.ggml.bos_token_id")
+    if gf.get("tokenizer.ggml.add_bos_token", False) and bos is not None and ids[0] != int(bos):
+        return f"the file asks for BOS {int(bos)} first, and {text!r} starts with {ids[0]}"
+    return None
+
+
+def _converted_tokenizer(gf: GGUFFile):
     """transformers' tokenizer converted from the GGUF file, kept in the cache folder:
     the conversion parses the whole file again (about 40 s for Gemma3's vocabulary),
     loading the saved result takes a second. Keyed by the file's path, size and
-    modification time and by the transformers version."""
+    modification time and by the transformers version. Both the conversion and the
+    saved copy are checked against the vocabulary (``tokenizer_problem``): a conversion
+    that fails is refused, a copy that reloads differently is not kept."""
     # Deferred (0.7 s to import): only a tokenizer that needs converting uses it.
     import transformers
     from transformers import AutoTokenizer
 
+    path = gf.path
     stat = path.resolve().stat()
     key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|"
                          f"{transformers.__version__}".encode()).hexdigest()[:20]
     saved = cache_folder() / "tokenizers" / f"{path.stem}-{key}"
     if saved.is_dir():
         try:
-            return AutoTokenizer.from_pretrained(str(saved))
+            tok = AutoTokenizer.from_pretrained(str(saved))
+            if tokenizer_problem(tok, gf) is None:
+                return tok
         except Exception:  # an unreadable copy is rebuilt below
             pass
+        shutil.rmtree(saved, ignore_errors=True)
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    problem = tokenizer_problem(tok, gf)
+    if problem:
+        raise VegasError(
+            f"{path.name}: transformers {transformers.__version__} converts its tokenizer "
+            f"wrongly ({problem}); install transformers>={GOOD_TRANSFORMERS}")
     try:
         saved.parent.mkdir(parents=True, exist_ok=True)
         tmp = tempfile.mkdtemp(dir=saved.parent, prefix=f".{saved.name}.")
         try:
             tok.save_pretrained(tmp)
-            if saved.is_dir():  # a copy that did not load
-                shutil.rmtree(saved, ignore_errors=True)
-            os.replace(tmp, saved)  # whole or not at all; a concurrent writer's copy wins
+            # Kept only if it reloads as converted: every later process loads the copy.
+            if tokenizer_problem(AutoTokenizer.from_pretrained(tmp), gf) is None:
+                os.replace(tmp, saved)  # whole or not at all; a concurrent writer's copy wins
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     except OSError:
