@@ -10,14 +10,19 @@ accepted-length count) of each configuration, at each batch size, in these modes
   and the split counters are never used;
 - ``graphs-private-pools``: the same as ``graphs``, but each graph captured into a
   memory pool of its own rather than the workspace's shared one;
+- ``graphs-poisoned``: the same as ``graphs``, but the sparse kernel's partials are NaN
+  until written, so a merge that read one its launch did not write would show;
 - ``eager``: the kernels launched eagerly, sized from the host's lengths
   (``VEGAS_CUDA_GRAPHS=0``);
 - ``reference``: the PyTorch reference attention, eagerly (``VEGAS_ATTENTION=reference``).
 
 All compute the same drafts up to the order of floating-point sums, so their mean
 accepted lengths must agree within a few hundredths; a mode that accepts less drafts
-from something else than the others do, and the two variants of ``graphs`` say whether
-the last-program merge or the shared pool is involved. A measurement that ``generate``
+from something else than the others do, and the variants of ``graphs`` say whether
+the last-program merge or the shared pool is involved. Compare modes measured in one
+process: processes can differ in their prompts (transformers 5.17.0 tokenized Gemma3's
+prompts one way while converting its tokenizer, another from the copy it saved; the
+loader now refuses both). A measurement that ``generate``
 refuses (a kernel merge left out of phase), or that runs out of memory, is a row of its
 own, with the error. Each (batch size, mode) starts from a released workspace: prompts
 prefilled again, no graph kept from another mode.
@@ -53,12 +58,6 @@ from bench.acceptance import hardware, with_ext, write_atomic  # noqa: E402
 from bench.bench_args import add_model_args, add_output_args  # noqa: E402
 from bench.schedule_switch import parse_switch_config  # noqa: E402
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs: only the modes that need no kernel patch
-    triton = None
-
 
 class _PrivatePoolStepGraph(graphs.StepGraph):
     """A ``StepGraph`` that captures into a pool of its own, whatever pool it is given."""
@@ -74,36 +73,6 @@ def _poisoned_split_buffers(b, h_kv, splits, rows, d, device):
     return acc.fill_(float("nan")), maxes.fill_(float("nan")), sums.fill_(float("nan")), live
 
 
-if triton is not None:
-
-    @triton.jit
-    def _fence_all_threads(x):
-        """Every thread that holds part of ``x`` runs a GPU-scope fence."""
-        return tl.inline_asm_elementwise("fence.acq_rel.gpu;\n\tmov.b32 $0, $1;", "=r,r",
-                                         [x.to(tl.int32)], dtype=tl.int32, is_pure=False,
-                                         pack=1)
-
-    @triton.jit
-    def _fenced_store_partials(ACC, MAX, SUM, LIVE, bh, split, acc_base, stat_base, sa_m,
-                               acc, m_i, l_i, live, start, end,
-                               ROWS: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr):
-        split_merge.store_partials(ACC, MAX, SUM, LIVE, bh, split, acc_base, stat_base, sa_m,
-                                   acc, m_i, l_i, live, start, end, ROWS, BLOCK_M, D)
-        _fence_all_threads(tl.arange(0, D))
-
-    @triton.jit
-    def _fenced_merge_block(ACC, MAX, SUM, SINKS, OUT, LSE, bh, rows, dims, live, lse_rows,
-                            sa_bh, sa_sp, sa_m, sm_bh, sm_sp, so_b, so_t, so_h, sl_b, sl_t,
-                            sl_h, H_KV: tl.constexpr, G: tl.constexpr, T: tl.constexpr,
-                            LANES: tl.constexpr, ROWS: tl.constexpr, DIMS: tl.constexpr,
-                            STORE_LSE: tl.constexpr, HAS_SINKS: tl.constexpr):
-        _fence_all_threads(dims)
-        split_merge.merge_block(ACC, MAX, SUM, SINKS, OUT, LSE, bh, rows, dims, live,
-                                lse_rows, sa_bh, sa_sp, sa_m, sm_bh, sm_sp, so_b, so_t, so_h,
-                                sl_b, sl_t, sl_h, H_KV, G, T, LANES, ROWS, DIMS, STORE_LSE,
-                                HAS_SINKS)
-
-
 CAPTURED = {"VEGAS_CUDA_GRAPHS": "auto"}
 EAGER = {"VEGAS_CUDA_GRAPHS": "0"}
 # Each mode: the environment it sets (unset variables keep the engine's defaults) and the
@@ -112,12 +81,8 @@ MODES = {
     "graphs": (CAPTURED, ()),
     "graphs-merge-launch": (CAPTURED, ((launch, "merges_in_kernel", lambda *a: False),)),
     "graphs-private-pools": (CAPTURED, ((graphs, "StepGraph", _PrivatePoolStepGraph),)),
-    # Diagnostics of the last-program merge, each in a process of its own (Triton keeps
-    # the first compilation of a kernel): every thread of the sparse kernel fences at GPU
-    # scope after storing its partials and before merging them; or the sparse kernel's
-    # partials are NaN until written.
-    "graphs-fenced": (CAPTURED, ((sparse_attention, "store_partials", _fenced_store_partials),
-                                 (split_merge, "merge_block", _fenced_merge_block))),
+    # The sparse kernel's partials NaN until written (a fill in the graph before every
+    # launch): a merge that read one its launch did not write would turn rows into NaN.
     "graphs-poisoned": (CAPTURED, ((sparse_attention, "split_buffers",
                                     _poisoned_split_buffers),)),
     "eager": (EAGER, ()),
@@ -156,10 +121,12 @@ def measure_modes(model, prompts, batch_sizes, configs, modes, max_new_tokens, s
                         print(f"batch {batch} {mode:20s} {config_words(spec)}: {e}", flush=True)
                         continue
                     rows.append({**row, "mean_accepted_length": m.mean_accepted_length,
+                                 "acceptance_by_position": m.acceptance_by_position,
                                  "tokens_per_second": m.tokens_per_second})
+                    by_position = " ".join(f"{a:.3f}" for a in m.acceptance_by_position)
                     print(f"batch {batch} {mode:20s} {config_words(spec)}: accepted "
-                          f"{m.mean_accepted_length:.3f}, {m.tokens_per_second:.0f} tok/s",
-                          flush=True)
+                          f"{m.mean_accepted_length:.3f} ({by_position} by draft position), "
+                          f"{m.tokens_per_second:.0f} tok/s", flush=True)
                 measurer.release()
     return rows
 
@@ -167,11 +134,14 @@ def measure_modes(model, prompts, batch_sizes, configs, modes, max_new_tokens, s
 def markdown(rows: list[dict], meta: dict) -> str:
     lines = [f"# Acceptance by execution mode ({meta['hardware']}, {meta['date']})", "",
              f"`{meta['command']}`", "",
-             "| batch | configuration | mode | mean accepted length | tokens/s |",
-             "|---|---|---|---|---|"]
+             "| batch | configuration | mode | mean accepted length | by draft position "
+             "| tokens/s |",
+             "|---|---|---|---|---|---|"]
     for r in rows:
-        figures = (f"failed: {r['error']} | |" if "error" in r else
-                   f"{r['mean_accepted_length']:.3f} | {r['tokens_per_second']:.0f} |")
+        by_position = " ".join(f"{a:.3f}" for a in r.get("acceptance_by_position", []))
+        figures = (f"failed: {r['error']} | | |" if "error" in r else
+                   f"{r['mean_accepted_length']:.3f} | {by_position} | "
+                   f"{r['tokens_per_second']:.0f} |")
         lines.append(f"| {r['batch_size']} | `{r['config']}` | {r['mode']} | {figures}")
     return "\n".join(lines) + "\n"
 

@@ -460,3 +460,26 @@ def test_the_graph_acceptance_benchs_diagnostic_modes_patch_and_restore():
     with in_mode("graphs-private-pools"):
         assert graphs.StepGraph(lambda: None, torch.device("cpu"), pool=object()).pool is None
     assert launch.merges_in_kernel(2, 4, 256) and graphs.StepGraph is shared
+
+
+def test_the_poisoned_mode_fills_the_sparse_kernels_partials_which_are_all_written():
+    """``graphs-poisoned`` hands the sparse kernel NaN partials; a launch writes every
+    partial its merge reads, so its output stays the reference's."""
+    pytest.importorskip("triton")
+    from bench.graph_acceptance import in_mode
+    from vegas_kernels import sparse_attention as sparse, split_merge
+
+    g = torch.Generator().manual_seed(5)
+    b, h, d, s = 3, 4, 64, 300
+    q, k, v = (torch.randn(*shape, generator=g) for shape in
+               ((b, 1, h, d), (b, 1, s, d), (b, 1, s, d)))
+    positions = torch.tensor([[280], [250], [299]])
+    indices = torch.stack([torch.randperm(200, generator=g)[:90] for _ in range(b)])[:, None]
+    counts, tail = torch.tensor([90, 60, 30]), torch.tensor([270, 240, 290])
+    want = sparse.reference_sparse_attention(q, k, v, positions, indices, counts, tail)
+    with in_mode("graphs-poisoned"):
+        assert sparse.split_buffers(1, 1, 2, 4, 8, "cpu")[0].isnan().all()
+        got = sparse.sparse_attention(q, k, v, positions, indices, counts, tail, max_keys=200,
+                                      splits=3, block_n=32)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert sparse.split_buffers is split_merge.split_buffers  # given back
