@@ -36,10 +36,8 @@ def prefer_expandable_segments() -> None:
     Why: a model's workspace keeps one set of graphs and static buffers per gamma and
     budget measured, beside a KV cache that may fill most of the GPU. With fixed-size
     segments, Gemma3-270M at 32k context and batch 128 on an 80 GB H100 ran out of memory
-    even after the kept graphs were freed. (Its speculative runs measured slower in that
-    process, but processes with expandable segments did too: their captured drafts
-    accepted less, docs/results/tuner-regret.md.) Takes effect only before the process's
-    first CUDA allocation: the tools call it before loading anything."""
+    even after the kept graphs were freed. Takes effect only before the process's first
+    CUDA allocation: the tools call it before loading anything."""
     os.environ.setdefault(ALLOCATOR_ENV, EXPANDABLE_SEGMENTS)
 
 
