@@ -243,15 +243,16 @@ def gguf_tokenizer(gf: GGUFFile):
 
 
 # Common words that SentencePiece vocabularies hold whole, as "\u2581" + word: a tokenizer
-# that follows the vocabulary encodes each to that one piece. transformers 5.17.0 converted
-# Gemma3-270M's GGUF tokenizer with no BOS and words cut into short pieces, and its saved
-# copy reloaded as one token per character (docs/results/tuner-regret.md).
+# that follows the vocabulary encodes each to that one piece. Converting Gemma3-270M's GGUF
+# tokenizer, transformers 4.57.6 and 5.17.0 cut words into short pieces (5.17.0's saved
+# copy reloaded as one token per character) and 5.18.0-5.22.2 left out the BOS the file
+# asks for (docs/results/tuner-regret.md).
 _PROBE_WORDS = ("the", "of", "and", "time", "return", "value", "first", "number", "people",
                 "world", "state", "system")
 _SPM_SPACE = "\u2581"
 # The first transformers release whose conversion of Gemma3's GGUF tokenizer, and the
-# saved copy of it, tokenize as the vocabulary says.
-GOOD_TRANSFORMERS = "5.25.0"
+# saved copy of it, tokenize as the vocabulary says (of 4.57.6 and 5.17.0-5.25.0).
+GOOD_TRANSFORMERS = "5.23.0"
 
 
 def tokenizer_problem(tok, gf: GGUFFile) -> str | None:
