@@ -276,8 +276,9 @@ def test_steps_replayed_from_graphs_at_a_full_batch_decode_as_eager_ones(monkeyp
     and draft steps' launches merge in their last programs (test_kernels'
     test_a_full_batch_draft_step_replayed_many_times_matches_the_reference). Captured in
     CUDA graphs, vanilla decoding must give the eager kernels' tokens, and drafts must
-    accept as many tokens at each position: on an H100 at 32k a captured draft once
-    accepted 2.25 tokens where the eager one accepted 4.18 (docs/results/tuner-regret.md)."""
+    accept as many tokens at each position. (Captured drafts were once suspected at this
+    batch on an H100; the difference measured then was in the processes' prompts,
+    docs/results/tuner-regret.md.)"""
     from vegas_core.graphs import release_workspace
     from vegas_core.loading import load_model
 
@@ -307,9 +308,8 @@ def test_steps_replayed_from_graphs_at_a_full_batch_decode_as_eager_ones(monkeyp
 def test_a_call_that_leaves_merge_counters_out_of_phase_fails_and_resets_them(model,
                                                                               monkeypatch):
     """The kernels' last-program merges leave their counters at 0; one left above 0 means
-    a launch merged incomplete partials (the fault measured on Gemma3 at batch 128,
-    docs/results/tuner-regret.md). ``generate`` says so rather than return what such
-    launches computed, and resets the counters so the next call starts clean."""
+    a launch merged incomplete partials. ``generate`` says so rather than return what
+    such launches computed, and resets the counters so the next call starts clean."""
     from vegas_core.errors import VegasError
     from vegas_kernels import split_merge
 

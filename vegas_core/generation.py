@@ -473,8 +473,8 @@ def generate(
         raise VegasError(
             f"{stuck} merge counter(s) of the attention kernels were left out of phase by "
             "this call: some attention outputs were merged from incomplete partials, so "
-            "its tokens and statistics cannot be trusted (a fault of the engine; see "
-            "docs/results/tuner-regret.md). The counters are reset: run again, and "
+            "its tokens and statistics cannot be trusted (a fault of the engine's "
+            "attention kernels). The counters are reset: run again, and "
             "report it if it repeats")
 
     out = rec.out
