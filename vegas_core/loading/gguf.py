@@ -259,7 +259,8 @@ def tokenizer_problem(tok, gf: GGUFFile) -> str | None:
     """Why transformers' tokenizer ``tok`` does not tokenize as the GGUF file's vocabulary
     says (a probe of common words, each a piece of its own, and the BOS the file asks
     for), or None when it does or the vocabulary holds too few of the words to tell."""
-    index = {t: i for i, t in enumerate(gf.require("tokenizer.ggml.tokens"))}
+    pieces = {_SPM_SPACE + w for w in _PROBE_WORDS}
+    index = {t: i for i, t in enumerate(gf.require("tokenizer.ggml.tokens")) if t in pieces}
     words = [w for w in _PROBE_WORDS if _SPM_SPACE + w in index]
     if len(words) < 3:
         return None
