@@ -62,7 +62,7 @@ def complete(study) -> list:
 def candidate_lines(landscape: Landscape, options: TuneOptions, grid: dict) -> list[str]:
     """Today's race candidates beside their one run in ``grid`` (a grid file's data)."""
     rows = {(r["drafter"], r["score"], r["window"], r["budget"], r["gamma"]): r
-            for r in grid["grid"]["rows"]}
+            for r in grid["grid"]["rows"] if r.get("out_of_memory") is None}
     best = max(rows.values(), key=lambda r: r["speedup"])
     lines = ["", f"Today's race candidates (--candidates {options.candidates}) in the grid "
                  f"(batch {grid['workload']['batch_size']}, one run per point):", "",

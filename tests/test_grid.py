@@ -11,8 +11,8 @@ import torch
 
 from tests.test_tune_cli import fake_measurement, run
 from vegas_core.errors import VegasError
-from vegas_tune.grid import (GridResult, compare, grid_points, parse_gammas, partial_path,
-                             run_grid)
+from vegas_tune.grid import (GridResult, compare, grid_markdown, grid_points, parse_gammas,
+                             partial_path, run_grid)
 from vegas_tune.measure import Measurer
 
 POINTS = grid_points("vllm", (128, 256), (4, 5, 6))  # 2 selections x 2 budgets x 3 gammas
@@ -88,11 +88,37 @@ def test_a_point_out_of_memory_frees_the_kept_graphs_and_is_measured_again():
     measurer = FakeMeasurer(out_of_memory_at=3)
     result = run_grid(measurer, POINTS, PREFIX, vanilla_every=5)
     assert len(result.rows) == len(POINTS) and not measurer.graphs_kept
-    # Out of memory again with nothing left to free: the error stands.
+
+
+def test_a_point_that_does_not_fit_is_recorded_and_the_pass_goes_on():
+    """Out of memory again with nothing left to free: the point is a finding (listed as
+    out of memory, never the best), and the points after it are measured."""
     measurer = FakeMeasurer(out_of_memory_at=3)
+
+    def nothing_to_free():  # ... and the next point fits
+        measurer.graphs_kept = False
+        return False
+
+    measurer.forget_kept_graphs = nothing_to_free
+    result = run_grid(measurer, POINTS, PREFIX, vanilla_every=5)
+    assert len(result.rows) == len(POINTS) and len(result.measured) == len(POINTS) - 1
+    (failed,) = result.out_of_memory
+    assert (failed["budget"], failed["gamma"]) == (POINTS[2].budget, POINTS[2].gamma)
+    assert "Tried to allocate" in failed["out_of_memory"] and "speedup" not in failed
+    assert failed not in result.top(len(POINTS)) and result.best() is not failed
+    table = grid_markdown(result, "t", [])
+    assert table.rstrip().splitlines()[-1].endswith("| out of memory | - | - |")
+    # A vanilla run out of memory still ends the pass: no speedup without it.
+    measurer = FakeMeasurer(out_of_memory_at=0)
     measurer.forget_kept_graphs = lambda: False
     with pytest.raises(torch.OutOfMemoryError):
         run_grid(measurer, POINTS, PREFIX, vanilla_every=5)
+
+
+def test_a_grid_where_nothing_fitted_says_what_to_lower():
+    result = GridResult([{"drafter": "vegas", "out_of_memory": "CUDA out of memory"}], [], 0.0)
+    with pytest.raises(VegasError, match="--batch-size"):
+        result.best()
 
 
 def test_a_stopped_pass_resumes_keeping_every_point_a_vanilla_run_closed():
@@ -176,7 +202,8 @@ def test_a_grid_out_of_memory_says_so_in_one_line_and_keeps_its_points(tmp_path,
     out, calls = tmp_path / "grid.json", []
 
     def measure(self, spec, report=None):
-        if len(calls) == 7:  # in the second stretch: the first four points are kept
+        # The third vanilla run (before point 8): the first four points are kept.
+        if spec is None and len(calls) == 10:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 128.00 MiB. "
                                          "GPU 0 has a total capacity of 79.18 GiB")
         calls.append(spec)
@@ -184,6 +211,8 @@ def test_a_grid_out_of_memory_says_so_in_one_line_and_keeps_its_points(tmp_path,
 
     monkeypatch.setattr("vegas_tune.measure.Measurer.measure", measure)
     code, _, err = run([*GRID, "--out", str(out)], capsys)
-    assert code == 2 and "Traceback" not in err and err.count("\n") == 1, err
-    assert "out of memory (CUDA out of memory)" in err and "--resume" in err
+    progress, last = err.splitlines()[:-1], err.splitlines()[-1]
+    assert code == 2 and "Traceback" not in err, err
+    assert all(line.startswith("vegas-tune: step grid: ") for line in progress), err
+    assert "out of memory (CUDA out of memory)" in last and "--resume" in last
     assert partial_path(out).exists() and not out.exists()

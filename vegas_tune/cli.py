@@ -42,7 +42,7 @@ from vegas_tune.export import (check_table_options, check_target, recommendation
                                render_export)
 from vegas_tune.grid import (GRID_BEST, GRID_TOP, GridResult, compare as race_configs,
                              grid_markdown, grid_points, parse_gammas, partial_path,
-                             read_partial, regret_words, run_grid, spec_of_row, write_json,
+                             read_partial, regret_words, row_words, run_grid, spec_of_row, write_json,
                              write_partial)
 from vegas_tune.hardware import fingerprint
 from vegas_tune.measure import Measurer, Workload, interleave, out_of_memory, series_attrs
@@ -53,7 +53,7 @@ from vegas_tune.preflight import (check_device, check_model_size, check_out, che
                                   check_values, flag)
 from vegas_tune.profile import (Profile, diff_profiles, incomparable, load_profile,
                                 profile_to_dict, write_text_atomically)
-from vegas_tune.progress import ProgressReporter
+from vegas_tune.progress import ProgressEvent, ProgressReporter
 from vegas_tune.report import plot_schedule_heatmap
 from vegas_tune.schedule_view import schedule_table_lines
 from vegas_tune.settings import TuneSettings, study_location
@@ -515,8 +515,8 @@ LIKE_FOR_LIKE = ("ctx", "dataset", "max_new_tokens", "temperature")
 
 
 @app.command()
-@show_defaults({"num_prompts": "the batch size", "out": "grid.json", **{
-    name: default_text(name) for name in ("model", "ctx", "dataset", "target", "budgets")}})
+# Only the options whose declared default is None: typer shows the others' itself.
+@show_defaults({"num_prompts": "the batch size"})
 def grid(
     model: str = typer.Option(RUN_DEFAULTS["model"][0], help="Model spec."),
     ctx: str = typer.Option(RUN_DEFAULTS["ctx"][0], help="Prompt length."),
@@ -606,12 +606,20 @@ def grid(
         if start is not None:
             stderr.print(f"resuming {partial}: {len(start.rows)} of {len(points)} points "
                          "measured")
-        with stderr.status(f"grid: {len(points)} points ...") as status:
-            def progress(done: int, total: int, row: dict) -> None:
-                status.update(f"grid: {done}/{total} points, last {row['drafter']} "
-                              f"{row['budget']} slots gamma {row['gamma']}: "
-                              f"{row['tokens_per_second']:.0f} tok/s")
+        with ProgressReporter(stderr) as reporter:
+            fastest: list[dict] = [max(start.measured, key=lambda r: r["tokens_per_second"])
+                                   ] if start and start.measured else []
 
+            def progress(done: int, total: int, row: dict) -> None:
+                if row.get("out_of_memory") is None and (
+                        not fastest or row["tokens_per_second"] > fastest[0]["tokens_per_second"]):
+                    fastest[:] = [row]
+                best = (f"{row_words(fastest[0])}: {fastest[0]['tokens_per_second']:.0f} tok/s"
+                        if fastest else None)
+                reporter(ProgressEvent("grid", done, total, best, unit="points"))
+
+            reporter(ProgressEvent("grid", len(start.rows) if start else 0, len(points),
+                                   unit="points"))
             try:
                 result = run_grid(measurer, points, prefix, vanilla_every, progress, start,
                                   lambda kept: write_partial(partial, key, kept))
@@ -622,7 +630,8 @@ def grid(
             except (RuntimeError, MemoryError) as e:
                 if not out_of_memory(e):
                     raise
-                # Out of memory even after the kept graphs were freed (run_grid retries).
+                # A vanilla run out of memory even after the kept graphs were freed (a
+                # point that does not fit is recorded and the pass goes on).
                 kept = (f"the points finished before the last vanilla run are kept in "
                         f"{partial}" if partial.exists() else "no point was finished")
                 again = ("run again with --resume once the device has the memory free, or "
@@ -639,10 +648,11 @@ def grid(
                                                 "num_prompts": len(prompts)},
             "target": space_target, "points": len(result.rows), "grid": result.to_json()}
     lines = [f"- {loaded.label}; ctx {tokens}, batch {batch_size}, {dataset}, "
-             f"{max_new_tokens} new tokens; target {space_target}: {len(result.rows)} points",
+             f"{max_new_tokens} new tokens; target {space_target}: {len(result.rows)} points"
+             + (f", {len(result.out_of_memory)} of them out of memory (listed last)"
+                if result.out_of_memory else ""),
              f"- One timed pass: {result.wall_seconds:.0f} s; best: "
-             f"{best['drafter']} {best['score']} window {best['window']}, {best['budget']} "
-             f"slots, gamma {best['gamma']}: {best['speedup']:.3f}x vanilla",
+             f"{row_words(best)}: {best['speedup']:.3f}x vanilla",
              f"- Command: `{data['command']}`"]
     if picks:
         top = {f"{GRID_BEST}{rank}": spec_of_row(row)

@@ -18,9 +18,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from vegas_core import SpecConfig
 from vegas_core.errors import VegasError
-from vegas_tune.measure import Measurer, interleave, series_attrs
+from vegas_tune.measure import Measurer, interleave, out_of_memory, series_attrs
 from vegas_tune.profile import write_text_atomically
 from vegas_tune.space import Point, selections
 from vegas_tune.stats import Estimate, estimate
@@ -61,11 +63,23 @@ class GridResult:
     vanilla: list[dict]  # the vanilla runs, in order, with the index of the point after them
     wall_seconds: float  # the whole pass, vanilla runs included
 
+    @property
+    def measured(self) -> list[dict]:
+        """The rows of points that ran (not those that did not fit in memory)."""
+        return [r for r in self.rows if r.get("out_of_memory") is None]
+
+    @property
+    def out_of_memory(self) -> list[dict]:
+        return [r for r in self.rows if r.get("out_of_memory") is not None]
+
     def best(self) -> dict:
-        return max(self.rows, key=lambda r: r["speedup"])
+        if not self.measured:
+            raise VegasError("no point of the grid fitted in memory: lower --batch-size, "
+                             "--ctx or the budgets")
+        return max(self.measured, key=lambda r: r["speedup"])
 
     def top(self, count: int) -> list[dict]:
-        return sorted(self.rows, key=lambda r: -r["speedup"])[:count]
+        return sorted(self.measured, key=lambda r: -r["speedup"])[:count]
 
     def to_json(self) -> dict:
         return {"rows": self.rows, "vanilla": self.vanilla, "wall_seconds": self.wall_seconds}
@@ -110,14 +124,28 @@ def run_grid(measurer: Measurer, points: list[Point], longest_prefix: int,
                 checkpoint(GridResult(list(rows), list(vanilla), elapsed()))
         point = points[index]
         spec = point.spec(longest_prefix)
-        m = measurer.measure_freeing_graphs(spec)
-        rows.append({**_point_row(point, spec), "tokens_per_second": m.tokens_per_second,
-                     "mean_accepted_length": m.mean_accepted_length,
-                     "selection_overhead": m.selection_overhead, "wall_seconds": m.wall_seconds})
+        try:
+            m = measurer.measure_freeing_graphs(spec)
+        except (RuntimeError, MemoryError) as e:
+            if not out_of_memory(e):
+                raise
+            # A point that does not fit beside the cache is a finding of the grid (the
+            # tuner records such a trial as failed), not the end of the pass.
+            rows.append({**_point_row(point, spec), "tokens_per_second": None,
+                         "out_of_memory": str(e).splitlines()[0] if str(e) else type(e).__name__})
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        else:
+            rows.append({**_point_row(point, spec), "tokens_per_second": m.tokens_per_second,
+                         "mean_accepted_length": m.mean_accepted_length,
+                         "selection_overhead": m.selection_overhead,
+                         "wall_seconds": m.wall_seconds})
         if progress:
             progress(index + 1, len(points), rows[-1])
     measure_vanilla(len(points))
     for index, row in enumerate(rows):
+        if row.get("out_of_memory") is not None:
+            continue
         # The last vanilla run at or before the point (a resumed pass's own), and the
         # first after it (the one that closed the point's stretch).
         earlier = [v for v in vanilla if v["before_point"] <= index][-1]
@@ -157,6 +185,13 @@ def _point_row(point: Point, spec: SpecConfig) -> dict:
     return {"drafter": spec.drafter, "score": spec.score, "window": spec.window,
             "rule": spec.rule, "budget": point.budget, "gamma": point.gamma,
             "sparsity": spec.sparsity, "min_tokens": spec.min_tokens}
+
+
+def row_words(row: dict) -> str:
+    """``vegas logit window 0.5, 2048 slots, gamma 6``; ``streaming, 1024 slots, gamma 5``."""
+    selection = (f"vegas {row['score']} window {row['window']}" if row["drafter"] == "vegas"
+                 else row["drafter"])
+    return f"{selection}, {row['budget']} slots, gamma {row['gamma']}"
 
 
 def spec_of_row(row: dict) -> SpecConfig:
@@ -205,15 +240,16 @@ def regret_words(ratio: dict) -> str:
 
 def grid_markdown(result: GridResult, title: str, lines: list[str]) -> str:
     """The grid as a Markdown table, fastest first, under ``title`` and ``lines``."""
-    rows = sorted(result.rows, key=lambda r: -r["speedup"])
     table = ["| drafter | score | window | budget | gamma | tokens/s | speedup | accepted |",
              "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
+    for r in sorted(result.measured, key=lambda r: -r["speedup"]) + result.out_of_memory:
         vegas = r["drafter"] == "vegas"
+        figures = ("out of memory | - | -" if r.get("out_of_memory") is not None else
+                   f"{r['tokens_per_second']:.1f} | {r['speedup']:.3f}x | "
+                   f"{r['mean_accepted_length']:.2f}")
         table.append(f"| {r['drafter']} | {r['score'] if vegas else '-'} | "
                      f"{r['window'] if vegas else '-'} | {r['budget']} | {r['gamma']} | "
-                     f"{r['tokens_per_second']:.1f} | {r['speedup']:.3f}x | "
-                     f"{r['mean_accepted_length']:.2f} |")
+                     f"{figures} |")
     return "\n".join([f"# {title}", "", *lines, "", *table]) + "\n"
 
 
