@@ -102,7 +102,7 @@ def test_a_point_that_does_not_fit_is_recorded_and_the_pass_goes_on():
     measurer.forget_kept_graphs = nothing_to_free
     result = run_grid(measurer, POINTS, PREFIX, vanilla_every=5)
     assert len(result.rows) == len(POINTS) and len(result.measured) == len(POINTS) - 1
-    (failed,) = result.out_of_memory
+    (failed,) = result.out_of_memory_rows
     assert (failed["budget"], failed["gamma"]) == (POINTS[2].budget, POINTS[2].gamma)
     assert "Tried to allocate" in failed["out_of_memory"] and "speedup" not in failed
     assert failed not in result.top(len(POINTS)) and result.best() is not failed
@@ -216,3 +216,22 @@ def test_a_grid_out_of_memory_says_so_in_one_line_and_keeps_its_points(tmp_path,
     assert all(line.startswith("vegas-tune: step grid: ") for line in progress), err
     assert "out of memory (CUDA out of memory)" in last and "--resume" in last
     assert partial_path(out).exists() and not out.exists()
+
+
+def test_the_grid_command_lists_points_that_did_not_fit_and_finishes(tmp_path, monkeypatch,
+                                                                      capsys):
+    out = tmp_path / "grid.json"
+
+    def measure(self, spec, report=None):
+        if spec is not None and spec.gamma == 4 and spec.min_tokens == 64:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+        return fake_measurement(rate(spec), gamma=spec.gamma if spec else 0)
+
+    monkeypatch.setattr("vegas_tune.measure.Measurer.measure", measure)
+    code, stdout, err = run([*GRID, "--out", str(out)], capsys)
+    assert code == 0, err
+    assert "12 points, 2 of them out of memory (listed last)" in stdout  # one per selection
+    table = out.with_suffix(".md").read_text().rstrip().splitlines()
+    assert all(line.endswith("| 64 | 4 | out of memory | - | - |") for line in table[-2:])
+    rows = json.loads(out.read_text())["grid"]["rows"]
+    assert sum("Tried to allocate 2.00 GiB" in (r.get("out_of_memory") or "") for r in rows) == 2

@@ -42,8 +42,8 @@ from vegas_tune.export import (check_table_options, check_target, recommendation
                                render_export)
 from vegas_tune.grid import (GRID_BEST, GRID_TOP, GridResult, compare as race_configs,
                              grid_markdown, grid_points, parse_gammas, partial_path,
-                             read_partial, regret_words, row_words, run_grid, spec_of_row, write_json,
-                             write_partial)
+                             read_partial, regret_words, row_words, run_grid, spec_of_row,
+                             write_json, write_partial)
 from vegas_tune.hardware import fingerprint
 from vegas_tune.measure import Measurer, Workload, interleave, out_of_memory, series_attrs
 from vegas_tune.options import (DEFAULT_WORDS, TuneOptions, option_default, option_default_text,
@@ -649,8 +649,8 @@ def grid(
             "target": space_target, "points": len(result.rows), "grid": result.to_json()}
     lines = [f"- {loaded.label}; ctx {tokens}, batch {batch_size}, {dataset}, "
              f"{max_new_tokens} new tokens; target {space_target}: {len(result.rows)} points"
-             + (f", {len(result.out_of_memory)} of them out of memory (listed last)"
-                if result.out_of_memory else ""),
+             + (f", {len(result.out_of_memory_rows)} of them out of memory (listed last)"
+                if result.out_of_memory_rows else ""),
              f"- One timed pass: {result.wall_seconds:.0f} s; best: "
              f"{row_words(best)}: {best['speedup']:.3f}x vanilla",
              f"- Command: `{data['command']}`"]

@@ -69,7 +69,8 @@ class GridResult:
         return [r for r in self.rows if r.get("out_of_memory") is None]
 
     @property
-    def out_of_memory(self) -> list[dict]:
+    def out_of_memory_rows(self) -> list[dict]:
+        """The rows of points that did not fit in memory (their allocator's message)."""
         return [r for r in self.rows if r.get("out_of_memory") is not None]
 
     def best(self) -> dict:
@@ -131,8 +132,9 @@ def run_grid(measurer: Measurer, points: list[Point], longest_prefix: int,
                 raise
             # A point that does not fit beside the cache is a finding of the grid (the
             # tuner records such a trial as failed), not the end of the pass.
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
             rows.append({**_point_row(point, spec), "tokens_per_second": None,
-                         "out_of_memory": str(e).splitlines()[0] if str(e) else type(e).__name__})
+                         "out_of_memory": reason})
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
         else:
@@ -242,7 +244,7 @@ def grid_markdown(result: GridResult, title: str, lines: list[str]) -> str:
     """The grid as a Markdown table, fastest first, under ``title`` and ``lines``."""
     table = ["| drafter | score | window | budget | gamma | tokens/s | speedup | accepted |",
              "|---|---|---|---|---|---|---|---|"]
-    for r in sorted(result.measured, key=lambda r: -r["speedup"]) + result.out_of_memory:
+    for r in sorted(result.measured, key=lambda r: -r["speedup"]) + result.out_of_memory_rows:
         vegas = r["drafter"] == "vegas"
         figures = ("out of memory | - | -" if r.get("out_of_memory") is not None else
                    f"{r['tokens_per_second']:.1f} | {r['speedup']:.3f}x | "
