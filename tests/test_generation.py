@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import ast
+import gc
 import os
 import pathlib
+import weakref
 
 import pytest
 import torch
@@ -113,8 +115,6 @@ def test_measurer_reports_the_steady_rate_over_full_batches():
 
 
 def test_the_garbage_collector_is_paused_only_while_decoding():
-    import gc
-
     seen = []
 
     def progress(phase, done, total):
@@ -145,6 +145,32 @@ def test_forgetting_kept_graphs_keeps_the_cache():
         assert space.cache == ("cache", 2, graphs.CAPACITY_STEP)
         assert graphs._workspaces[net] is space
     finally:
+        graphs.release_workspace(net)
+
+
+def test_forgetting_kept_graphs_frees_those_held_in_reference_cycles():
+    """A kept static forward closes over itself (its body reads its own buffers), so
+    dropping it from the workspace frees nothing until the collector runs; the tuner
+    retries an allocation right after forgetting, so forgetting must collect."""
+    class Net:
+        def new_cache(self, batch, capacity):
+            return None
+
+    class Forward:  # a buffer holder in a cycle, as StaticForward and its body are
+        def __init__(self):
+            self.body = lambda: self
+
+    net, collecting = Net(), gc.isenabled()
+    space = graphs.Workspace(net, 2, graphs.CAPACITY_STEP, torch.device("cpu"))
+    graphs._workspaces[net] = space
+    gc.disable()  # only an explicit collection may free the cycle
+    try:
+        kept = weakref.ref(space.get(("verify", 4), Forward))
+        assert graphs.forget_kept_graphs(net)
+        assert kept() is None
+    finally:
+        if collecting:
+            gc.enable()
         graphs.release_workspace(net)
 
 

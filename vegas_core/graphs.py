@@ -241,6 +241,9 @@ def forget_kept_graphs(net) -> bool:
     if space is None or not len(space):
         return False
     space.forget_items()
+    # A kept StaticForward's body closes over itself: its graph, pool and buffers are
+    # freed only by the collector, and the caller retries an allocation that needs them.
+    gc.collect()
     return True
 
 

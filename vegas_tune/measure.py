@@ -17,6 +17,7 @@ is timed and counted begins after them.
 
 from __future__ import annotations
 
+import gc
 import logging
 import statistics
 import time
@@ -170,6 +171,9 @@ class Measurer:
         except (RuntimeError, MemoryError) as e:
             if not out_of_memory(e) or not self.forget_kept_graphs():
                 raise
+        # Out of the handler, the failed attempt's traceback no longer holds its frames:
+        # what it allocated, and any cycle around it, can be freed before the retry.
+        gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         log.info("out of memory: freed the graphs kept for earlier configurations, "
