@@ -11,6 +11,7 @@ round, with a 95% interval. ``vegas-tune grid`` is the command.
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import time
@@ -135,6 +136,10 @@ def run_grid(measurer: Measurer, points: list[Point], longest_prefix: int,
             reason = str(e).splitlines()[0] if str(e) else type(e).__name__
             rows.append({**_point_row(point, spec), "tokens_per_second": None,
                          "out_of_memory": reason})
+            m = None
+        if m is None:
+            # Out of the handler: what the failed attempt allocated is garbage now.
+            gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
         else:
