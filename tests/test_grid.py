@@ -11,8 +11,8 @@ import torch
 
 from tests.test_tune_cli import fake_measurement, run
 from vegas_core.errors import VegasError
-from vegas_tune.grid import (GridResult, compare, grid_markdown, grid_points, parse_gammas,
-                             partial_path, run_grid)
+from vegas_tune.grid import (GridResult, PassCutShort, compare, grid_markdown, grid_points,
+                             parse_gammas, partial_path, run_grid)
 from vegas_tune.measure import Measurer
 
 POINTS = grid_points("vllm", (128, 256), (4, 5, 6))  # 2 selections x 2 budgets x 3 gammas
@@ -235,3 +235,38 @@ def test_the_grid_command_lists_points_that_did_not_fit_and_finishes(tmp_path, m
     assert all(line.endswith("| 64 | 4 | out of memory | - | - |") for line in table[-2:])
     rows = json.loads(out.read_text())["grid"]["rows"]
     assert sum("Tried to allocate 2.00 GiB" in (r.get("out_of_memory") or "") for r in rows) == 2
+
+
+def test_a_pass_out_of_time_closes_its_stretch_keeps_it_and_resumes():
+    kept: list[GridResult] = []
+    measurer = FakeMeasurer([100.0, 121.0])
+    with pytest.raises(PassCutShort) as cut:
+        run_grid(measurer, POINTS, PREFIX, vanilla_every=5, checkpoint=kept.append,
+                 out_of_time=lambda: len(measurer.calls) >= 4)  # vanilla + 3 points
+    assert cut.value.kept is kept[-1] and len(cut.value.kept.rows) == 3
+    # A vanilla run closed the three points before the pass stopped.
+    assert [v["before_point"] for v in cut.value.kept.vanilla] == [0, 3]
+    partial = cut.value.kept
+    result = run_grid(FakeMeasurer([144.0] * 5), POINTS, PREFIX, vanilla_every=5, start=partial)
+    assert len(result.rows) == len(POINTS)
+    assert result.rows[2]["vanilla_tokens_per_second"] == pytest.approx(math.sqrt(100 * 121))
+    # Out of time from the start, a call still measures one point: resuming goes on.
+    with pytest.raises(PassCutShort) as again:
+        run_grid(FakeMeasurer(), POINTS, PREFIX, start=partial, out_of_time=lambda: True)
+    assert len(again.value.kept.rows) == 4
+
+
+def test_the_grid_command_stops_at_its_time_budget_with_exit_3(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "grid.json"
+    monkeypatch.setattr("vegas_tune.measure.Measurer.measure",
+                        lambda self, spec, report=None: fake_measurement(
+                            rate(spec), gamma=spec.gamma if spec else 0))
+    code, _, err = run([*GRID, "--out", str(out), "--time-budget", "1e-6"], capsys)
+    assert code == 3, err
+    assert "--time-budget 1e-06 s spent after 1 of 12 points" in err and "--resume" in err
+    assert partial_path(out).exists() and not out.exists()
+    code, stdout, err = run([*GRID, "--out", str(out), "--resume"], capsys)
+    assert code == 0 and "resuming" in err and "12 points" in stdout
+    assert not partial_path(out).exists()
+    code, _, err = run([*GRID, "--out", str(out), "--time-budget", "0"], capsys)
+    assert code == 2 and "--time-budget must be a number of seconds above 0" in err

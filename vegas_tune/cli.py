@@ -17,6 +17,7 @@ import math
 import os
 import shlex
 import sys
+import time
 import warnings
 from dataclasses import replace
 from pathlib import Path
@@ -40,8 +41,8 @@ from vegas_tune import pipeline
 from vegas_tune.datasets import check_dataset, load_prompts
 from vegas_tune.export import (check_table_options, check_target, recommendation_note,
                                render_export)
-from vegas_tune.grid import (GRID_BEST, GRID_TOP, GridResult, compare as race_configs,
-                             grid_markdown, grid_points, parse_gammas, partial_path,
+from vegas_tune.grid import (GRID_BEST, GRID_TOP, GridResult, PassCutShort,
+                             compare as race_configs, grid_markdown, grid_points, parse_gammas, partial_path,
                              read_partial, regret_words, row_words, run_grid, spec_of_row,
                              write_json, write_partial)
 from vegas_tune.hardware import fingerprint
@@ -75,6 +76,8 @@ log = logging.getLogger("vegas_tune")
 # `bench` rounds: the default, and the fewest that give an interval.
 BENCH_ROUNDS = 3
 MIN_BENCH_ROUNDS = 2
+# grid: --time-budget ran out before the pass finished (its points kept for --resume).
+EXIT_GRID_CUT_SHORT = 3
 # Distinct prompts per trial when --num-prompts is not given and the smallest batch is smaller.
 MIN_PROMPTS = 4
 # `show --plot`: the heat map's format, and the file name an error suggests.
@@ -516,7 +519,7 @@ LIKE_FOR_LIKE = ("ctx", "dataset", "max_new_tokens", "temperature")
 
 @app.command()
 # Only the options whose declared default is None: typer shows the others' itself.
-@show_defaults({"num_prompts": "the batch size"})
+@show_defaults({"num_prompts": "the batch size", "time_budget": "none"})
 def grid(
     model: str = typer.Option(RUN_DEFAULTS["model"][0], help="Model spec."),
     ctx: str = typer.Option(RUN_DEFAULTS["ctx"][0], help="Prompt length."),
@@ -541,11 +544,16 @@ def grid(
     rounds: int = typer.Option(5, help="Interleaved rounds of the comparison."),
     resume: bool = typer.Option(False, "--resume", help="Finish the pass an earlier run "
                                 "left in <out>.partial (stopped or interrupted)."),
+    time_budget: Optional[float] = typer.Option(
+        None, help="Seconds for this run, loading included: when they are spent, the pass "
+                   "stops after the point in progress, keeps its points for --resume and "
+                   "exits 3."),
     debug: bool = typer.Option(False, help="Show tracebacks."),
-) -> None:
+) -> Optional[int]:
     """Measure every configuration of a space once (vanilla interleaved), then re-measure
     the best beside the picks of --compare profiles: their regret, in one run. Finished
     points are kept in <out>.partial until the pass ends: --resume goes on from them."""
+    started = time.monotonic()
     tokens = parse_ctx(ctx)
     space_target, slots, gamma_list = parse_target(target), parse_budgets(budgets), parse_gammas(gammas)
     check_values(dict(batch_size=batch_size, max_new_tokens=max_new_tokens,
@@ -556,6 +564,8 @@ def grid(
                          f"{gamma_list[-1]}; use at least {min_new_tokens(gamma_list[-1])}")
     if vanilla_every < 1:
         raise VegasError(f"--vanilla-every must be >= 1, got {vanilla_every}")
+    if time_budget is not None and not time_budget > 0:
+        raise VegasError(f"--time-budget must be a number of seconds above 0, got {time_budget}")
     # Before minutes of measuring: the grid, its table and <out>.partial go beside --out.
     check_out(out, "--out", "the grid's file name", "grid.json")
     picks = {}
@@ -620,9 +630,16 @@ def grid(
 
             reporter(ProgressEvent("grid", len(start.rows) if start else 0, len(points),
                                    unit="points"))
+            out_of_time = (None if time_budget is None else
+                           lambda: time.monotonic() - started >= time_budget)
             try:
                 result = run_grid(measurer, points, prefix, vanilla_every, progress, start,
-                                  lambda kept: write_partial(partial, key, kept))
+                                  lambda kept: write_partial(partial, key, kept), out_of_time)
+            except PassCutShort as cut:
+                stderr.print(f"--time-budget {time_budget:g} s spent after "
+                             f"{len(cut.kept.rows)} of {len(points)} points; they are kept in "
+                             f"{partial}: rerun with --resume to go on")
+                return EXIT_GRID_CUT_SHORT
             except KeyboardInterrupt:
                 log.warning("interrupted: the points finished before the last vanilla run "
                             "are kept in %s; rerun with --resume", partial)

@@ -91,11 +91,21 @@ class GridResult:
         return cls(data["rows"], data["vanilla"], data["wall_seconds"])
 
 
+class PassCutShort(Exception):
+    """``run_grid`` stopped because ``out_of_time`` said so; ``kept`` is the partial result
+    it handed to ``checkpoint`` last (every point it holds closed by a vanilla run)."""
+
+    def __init__(self, kept: GridResult) -> None:
+        super().__init__(f"{len(kept.rows)} points kept")
+        self.kept = kept
+
+
 def run_grid(measurer: Measurer, points: list[Point], longest_prefix: int,
              vanilla_every: int = VANILLA_EVERY,
              progress: Callable[[int, int, dict], None] | None = None,
              start: GridResult | None = None,
-             checkpoint: Callable[[GridResult], None] | None = None) -> GridResult:
+             checkpoint: Callable[[GridResult], None] | None = None,
+             out_of_time: Callable[[], bool] | None = None) -> GridResult:
     """Measure each point once, vanilla before the first and after every
     ``vanilla_every`` points (and after the last). A point's speedup is over the
     geometric mean of the vanilla runs on either side of it.
@@ -104,7 +114,11 @@ def run_grid(measurer: Measurer, points: list[Point], longest_prefix: int,
     it closes: a pass stopped at any moment loses at most the points since. ``start``, such
     a partial result, is continued: its points are kept, and the pass goes on with a fresh
     vanilla run (this process's, maybe another machine's state) before the next point.
-    ``wall_seconds`` sums the passes' measuring time up to their last kept vanilla run."""
+    ``wall_seconds`` sums the passes' measuring time up to their last kept vanilla run.
+
+    ``out_of_time()``, asked before each point after this call's first, stops the pass:
+    a vanilla run closes the points measured since the last one, ``checkpoint`` gets them,
+    and ``PassCutShort`` is raised (so every call measures at least one point)."""
     clock = time.perf_counter()
     before = start.wall_seconds if start else 0.0
     vanilla: list[dict] = list(start.vanilla) if start else []
@@ -120,6 +134,12 @@ def run_grid(measurer: Measurer, points: list[Point], longest_prefix: int,
         return before + time.perf_counter() - clock
 
     for index in range(first, len(points)):
+        if out_of_time is not None and index > first and out_of_time():
+            measure_vanilla(index)
+            kept = GridResult(list(rows), list(vanilla), elapsed())
+            if checkpoint:
+                checkpoint(kept)
+            raise PassCutShort(kept)
         if index % vanilla_every == 0 or index == first:
             measure_vanilla(index)
             if checkpoint and index:
