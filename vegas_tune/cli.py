@@ -42,9 +42,9 @@ from vegas_tune.datasets import check_dataset, load_prompts
 from vegas_tune.export import (check_table_options, check_target, recommendation_note,
                                render_export)
 from vegas_tune.grid import (GRID_BEST, GRID_TOP, GridResult, PassCutShort,
-                             compare as race_configs, grid_markdown, grid_points, parse_gammas, partial_path,
-                             read_partial, regret_words, row_words, run_grid, spec_of_row,
-                             write_json, write_partial)
+                             compare as race_configs, grid_markdown, grid_points, parse_gammas,
+                             partial_path, read_partial, regret_words, row_words, run_grid,
+                             spec_of_row, write_json, write_partial)
 from vegas_tune.hardware import fingerprint
 from vegas_tune.measure import Measurer, Workload, interleave, out_of_memory, series_attrs
 from vegas_tune.options import (DEFAULT_WORDS, TuneOptions, option_default, option_default_text,
