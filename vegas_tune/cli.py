@@ -545,9 +545,9 @@ def grid(
     resume: bool = typer.Option(False, "--resume", help="Finish the pass an earlier run "
                                 "left in <out>.partial (stopped or interrupted)."),
     time_budget: Optional[float] = typer.Option(
-        None, help="Seconds for this run, loading included: when they are spent, the pass "
-                   "stops after the point in progress, keeps its points for --resume and "
-                   "exits 3."),
+        None, help="Seconds for this run's pass, loading included: when they are spent, "
+                   "the pass stops after the point in progress, keeps its points for "
+                   "--resume and exits 3 (a pass that finishes in time is compared in full)."),
     debug: bool = typer.Option(False, help="Show tracebacks."),
 ) -> Optional[int]:
     """Measure every configuration of a space once (vanilla interleaved), then re-measure

@@ -146,19 +146,19 @@ def run_grid(measurer: Measurer, points: list[Point], longest_prefix: int,
                 checkpoint(GridResult(list(rows), list(vanilla), elapsed()))
         point = points[index]
         spec = point.spec(longest_prefix)
+        m = reason = None
         try:
             m = measurer.measure_freeing_graphs(spec)
         except (RuntimeError, MemoryError) as e:
             if not out_of_memory(e):
                 raise
-            # A point that does not fit beside the cache is a finding of the grid (the
-            # tuner records such a trial as failed), not the end of the pass.
             reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if m is None:
+            # A point that does not fit beside the cache is a finding of the grid (the
+            # tuner records such a trial as failed), not the end of the pass. Out of the
+            # handler, what the failed attempt allocated is garbage: free it first.
             rows.append({**_point_row(point, spec), "tokens_per_second": None,
                          "out_of_memory": reason})
-            m = None
-        if m is None:
-            # Out of the handler: what the failed attempt allocated is garbage now.
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
