@@ -617,14 +617,13 @@ def grid(
             stderr.print(f"resuming {partial}: {len(start.rows)} of {len(points)} points "
                          "measured")
         with ProgressReporter(stderr) as reporter:
-            fastest: list[dict] = [max(start.measured, key=lambda r: r["tokens_per_second"])
-                                   ] if start and start.measured else []
+            measured = list(start.measured) if start else []
 
             def progress(done: int, total: int, row: dict) -> None:
-                if row.get("out_of_memory") is None and (
-                        not fastest or row["tokens_per_second"] > fastest[0]["tokens_per_second"]):
-                    fastest[:] = [row]
-                best = (f"{row_words(fastest[0])}: {fastest[0]['tokens_per_second']:.0f} tok/s"
+                if row.get("out_of_memory") is None:
+                    measured.append(row)
+                fastest = max(measured, key=lambda r: r["tokens_per_second"], default=None)
+                best = (f"{row_words(fastest)}: {fastest['tokens_per_second']:.0f} tok/s"
                         if fastest else None)
                 reporter(ProgressEvent("grid", done, total, best, unit="points"))
 

@@ -23,7 +23,8 @@ import torch
 
 from vegas_core import SpecConfig
 from vegas_core.errors import VegasError
-from vegas_tune.measure import Measurer, interleave, out_of_memory, series_attrs
+from vegas_tune.measure import (Measurer, interleave, out_of_memory, out_of_memory_words,
+                                series_attrs)
 from vegas_tune.profile import write_text_atomically
 from vegas_tune.space import Point, selections
 from vegas_tune.stats import Estimate, estimate
@@ -152,7 +153,7 @@ def run_grid(measurer: Measurer, points: list[Point], longest_prefix: int,
         except (RuntimeError, MemoryError) as e:
             if not out_of_memory(e):
                 raise
-            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            reason = out_of_memory_words(e)
         if m is None:
             # A point that does not fit beside the cache is a finding of the grid (the
             # tuner records such a trial as failed), not the end of the pass. Out of the

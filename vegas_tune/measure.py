@@ -50,6 +50,12 @@ def out_of_memory(error: BaseException) -> bool:
         message in str(error) for message in CPU_OUT_OF_MEMORY_MESSAGES)
 
 
+def out_of_memory_words(error: BaseException) -> str:
+    """The first line of an out-of-memory error (the allocator's request and what was
+    free), for a trial's or a grid point's record."""
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
+
+
 @dataclass
 class Workload:
     prompts: list[Prompt]

@@ -37,8 +37,8 @@ import torch
 from vegas_core import SpecConfig
 from vegas_core.spec_config import MAX_GAMMA
 from vegas_tune.costmodel import Curve, Run, expected_tokens, per_token_extra
-from vegas_tune.measure import (Measurement, Measurer, out_of_memory, race, ratio_estimate,
-                                series_attrs)
+from vegas_tune.measure import (Measurement, Measurer, out_of_memory, out_of_memory_words, race,
+                                ratio_estimate, series_attrs)
 from vegas_tune.options import TuneOptions
 from vegas_tune.space import MAX_WINDOW, MIN_BUDGET, Point, Selection
 from vegas_tune.stats import Estimate, estimate
@@ -124,7 +124,7 @@ class Measuring:
         except (RuntimeError, MemoryError) as e:
             if not out_of_memory(e):
                 raise
-            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            reason = out_of_memory_words(e)
             trial.set_user_attr("failed_reason", f"out of memory: {reason}")
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
