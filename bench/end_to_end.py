@@ -206,11 +206,13 @@ def vanilla_logits(model, prompt: list[int], generated: list[int]) -> torch.Tens
     n, length = len(prompt), len(generated)
     kv = net.new_cache(1, n + length)
     rows = [net.logits(prefill(model, [prompt], kv))]  # [1, V]
-    if length > 1:
-        tokens = torch.tensor([generated[:-1]], dtype=torch.long, device=dev)
-        meta = AttentionMeta.prefill(1, n, n + length - 1, dev, model.config.sliding_window)
-        hidden = net(tokens, meta.positions, kv, meta)
-        rows.append(net.logits(hidden[0]))
+    tokens = torch.tensor([generated[:-1]], dtype=torch.long, device=dev)
+    # In blocks a sliding layer's ring holds (vegas_core.cache).
+    block = kv.ring_slots - kv.window + 1 if kv.ring_slots is not None else max(1, length - 1)
+    for lo in range(0, length - 1, block):
+        hi = min(length - 1, lo + block)
+        meta = AttentionMeta.prefill(1, n + lo, n + hi, dev, model.config.window)
+        rows.append(net.logits(net(tokens[:, lo:hi], meta.positions, kv, meta)[0]))
     return torch.cat(rows)
 
 

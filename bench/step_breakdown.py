@@ -158,9 +158,7 @@ def main() -> None:
         for b in args.batch:
             cache = model.net.new_cache(b, ctx + rows + 8)
             gen = torch.Generator(device="cuda").manual_seed(ctx + b)
-            for layer in range(model.config.num_layers):
-                cache.k[layer].normal_(generator=gen)
-                cache.v[layer].normal_(generator=gen)
+            cache.fill_(lambda t: t.normal_(generator=gen))
             cache.lengths.fill_(ctx)
             tokens = torch.randint(0, model.config.vocab_size, (b, rows), device="cuda",
                                    generator=gen)

@@ -176,14 +176,14 @@ def fill_kept_cache(model, batch: int, ctx: int, room: int, seed: int):
 
     cache = workspace(model.net, batch, ctx + room, model.device).cache
     gen = torch.Generator(device=model.device).manual_seed(seed)
-    for layer in range(model.config.num_layers):
-        cache.k[layer].normal_(generator=gen)
-        cache.v[layer].normal_(generator=gen)
+    cache.fill_(lambda t: t.normal_(generator=gen))
     cache.lengths.fill_(ctx)
     ids = torch.randint(0, model.config.vocab_size, (batch, ctx + 1), device=model.device,
                         generator=gen)
     prompts = ids[:, :ctx].tolist()
     cache.prompts = [PromptSlots(p) for p in prompts]
+    for row in range(batch):
+        cache.save_prompt_tail(row, ctx)  # a ring's prompt end, as prefill keeps it
     return cache, prompts, ids[:, ctx:]
 
 

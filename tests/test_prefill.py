@@ -135,9 +135,9 @@ def test_new_prefill_gives_the_old_prefills_greedy_tokens(smollm, smollm_prompts
     calls = [0]
     real = dispatch.prefill_attention
 
-    def counted(*args):
+    def counted(*args, **kwargs):
         calls[0] += 1
-        return real(*args)
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(dispatch, "prefill_attention", counted)
 

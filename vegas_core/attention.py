@@ -271,8 +271,9 @@ def kernels_serve_model(config, device: torch.device, rows: int) -> bool:
 
 
 def _kernel_attention(q, k, v, layer: int, meta: AttentionMeta,
-                      sinks: torch.Tensor | None) -> torch.Tensor | None:
-    """The Triton path where it covers the request, else None."""
+                      sinks: torch.Tensor | None, ring: int | None) -> torch.Tensor | None:
+    """The Triton path where it covers the request, else None. ``ring``: the slots of
+    the layer's ring (``KVCache.ring_of``), whose k and v are the whole ring."""
     if not kernels_serve(q, q.shape[1], meta.sliding_window):
         return None
     collector = meta.collector
@@ -288,7 +289,7 @@ def _kernel_attention(q, k, v, layer: int, meta: AttentionMeta,
         into = collector.home(layer) if fuse else None
         out, lse, scores = verify_attention(q, k, v, meta.positions, meta.kv_len, weights,
                                             scores_out=into, edge_logits=edges, window=window,
-                                            sinks=sinks)
+                                            sinks=sinks, ring=ring)
         if fuse:
             collector.keep_fused(layer, scores)
         elif edges:
@@ -296,7 +297,8 @@ def _kernel_attention(q, k, v, layer: int, meta: AttentionMeta,
         elif collector is not None:
             collector.defer(layer, q, k, meta.positions, lse, meta.kv_len)
         return out
-    if meta.mode == "draft" and isinstance(meta.sparse, SparseSelection) and q.shape[1] == 1:
+    if (meta.mode == "draft" and isinstance(meta.sparse, SparseSelection) and q.shape[1] == 1
+            and ring is None):
         sel = meta.sparse
         row = sel.row(layer)
         return sparse_attention(q, k, v, meta.positions, sel.indices[row], sel.counts[row],
@@ -312,12 +314,19 @@ def attend(q: torch.Tensor, cache: KVCache, layer: int, meta: AttentionMeta,
     and attention ``sinks`` [H]) and index-list drafts when enabled; else the reference
     (query-dependent selections, collectors of the peer drafters)."""
     k, v = cache.layer(layer, meta.kv_len)
+    ring = cache.ring_of(layer)
+    if ring is not None and meta.window_of(layer) is None:
+        raise ValueError(f"layer {layer} keeps a ring of its last {ring} positions; attending "
+                         "to it needs the model's sliding window in the attention metadata")
     if meta.block_start is not None and meta.collector is None and prefill_kernels_enabled():
         # Every prefill chunk, short ones too: no Triton kernel compiled per chunk shape.
-        return prefill_attention(q, k, v, meta.block_start, meta.window_of(layer), sinks)
-    out = _kernel_attention(q, k, v, layer, meta, sinks)
+        return prefill_attention(q, k, v, meta.block_start, meta.window_of(layer), sinks,
+                                 ring=ring)
+    out = _kernel_attention(q, k, v, layer, meta, sinks, ring)
     if out is not None:
         return out
+    if ring is not None:
+        k, v = cache.unrolled(layer, meta.kv_len)
     return _reference(q, k, v, layer, meta, sinks)
 
 

@@ -199,8 +199,9 @@ class Attention(nn.Module):
             norms = (None, None) if self.q_norm is None else (self.q_norm.weight,
                                                               self.k_norm.weight)
             eps = self.q_norm.eps if self.q_norm is not None else 0.0
-            q = rope_and_store(q, k, v, meta.positions, rope.inv_freq, cache.k, cache.v,
-                               self.layer, *norms, eps=eps)
+            keys, values, index = cache.store(self.layer)
+            q = rope_and_store(q, k, v, meta.positions, rope.inv_freq, keys, values, index,
+                               *norms, eps=eps, ring=cache.ring_of(self.layer) is not None)
         else:
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
@@ -356,7 +357,7 @@ class Transformer(nn.Module):
         c = self.config
         p = self.embed_tokens.weight
         return KVCache(c.num_layers, batch_size, max_len, c.num_kv_heads, c.head_dim,
-                       dtype=p.dtype, device=p.device)
+                       dtype=p.dtype, device=p.device, window=c.window)
 
     def forward(
         self,

@@ -7,7 +7,9 @@ things let it skip work:
 - the cache's own memory of its rows (``KVCache.prompts``): a kept cache whose row
   already holds the prompt, or a leading part of it, computes only the rest;
 - a ``PrefixCache``: copies of earlier prompts' K/V, for workloads that cycle more
-  prompts through a batch than it has rows.
+  prompts through a batch than it has rows. A cache whose sliding layers keep rings
+  (``vegas_core.cache``) holds no full-length K/V of those layers to copy, so it neither
+  stores nor reads one; it reuses its own rows through their saved prompt tails.
 """
 
 from __future__ import annotations
@@ -237,6 +239,11 @@ def prefill(model, prompt_ids: list[list[int]], cache: KVCache, *,
     window = model.config.window
     rows_per_chunk, tokens_per_forward = prefill_budget(model)
     rows_per_chunk = chunk or rows_per_chunk
+    if cache.ring_slots is not None:
+        # A ring holds the window before a chunk and the chunk: chunks of at most its
+        # headroom, the same tokens per forward (more sequences together).
+        rows_per_chunk = min(rows_per_chunk, cache.ring_slots - cache.window + 1)
+        reuse = None
     last_hidden = torch.zeros(len(prompt_ids), model.config.hidden_size, dtype=model.dtype,
                               device=dev)
     starts, hidden_known = [], [False] * len(prompt_ids)
@@ -246,6 +253,8 @@ def prefill(model, prompt_ids: list[list[int]], cache: KVCache, *,
             continue
         held = cache.prompts[b]
         start = common_prefix(held.ids, ids) if held is not None else 0
+        if not cache.restore_prompt_tail(b, start):
+            start, held = 0, None
         if start < len(ids) and reuse is not None:
             m, k, v, last = reuse.find(ids)
             if m > start:
@@ -284,6 +293,8 @@ def prefill(model, prompt_ids: list[list[int]], cache: KVCache, *,
         # The row now holds exactly this prompt: decoding writes right after it.
         known = b in computed or hidden_known[b]
         cache.prompts[b] = PromptSlots(ids, last_hidden[b].clone() if known else None)
+        if b in computed:
+            cache.save_prompt_tail(b, len(ids))
         if b in computed and reuse is not None:
             reuse.add(ids, cache.k[:, b, :, : len(ids)], cache.v[:, b, :, : len(ids)],
                       last_hidden[b])

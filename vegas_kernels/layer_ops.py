@@ -17,11 +17,12 @@ Layout and contracts:
   stride). Optional residual (x's shape): ``h = x + residual`` is returned alongside.
 * ``rope_and_store``: q [B, T, H, D], k, v [B, T, H_kv, D] with any strides for B, T
   and the head dim (views of one fused QKV projection), last-dim stride 1; positions
-  [B, T] on the device; cache_k / cache_v [L, B, H_kv, S, D] (``KVCache.k`` / ``.v``).
+  [B, T] on the device; cache_k / cache_v [L, B, H_kv, S, D] (``KVCache.store``).
   One program per (token, head) over the H query heads and then the H_kv KV heads: a
   query-head program writes q_rot, a KV-head program writes the rotated k and the raw v
-  into slot ``positions[b, t]`` of the cache. Positions outside [0, S) write nothing
-  (rather than corrupting memory).
+  into slot ``positions[b, t]`` of the cache (``positions[b, t] % S`` in a ring).
+  Positions outside [0, S) (below 0 in a ring) write nothing (rather than corrupting
+  memory).
 * ``silu_mul``: gate_up [..., 2F] (gate half first, as a fused gate/up projection
   produces) -> [..., F].
 
@@ -179,9 +180,11 @@ if triton is not None:
                            sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
                            sp_b, sp_t, so_b, so_t, so_h,
                            sck_b, sck_h, sck_s, scv_b, scv_h, scv_s,
-                           HALF: tl.constexpr, HAS_QK_NORM: tl.constexpr):
+                           HALF: tl.constexpr, HAS_QK_NORM: tl.constexpr,
+                           RING: tl.constexpr):
         # q: [B, T, H, D]; k, v: [B, T, H_kv, D]; pos: [B, T]; inv_freq: [HALF];
-        # out: [B, T, H, D]; ck, cv: one layer of the cache, [B, H_kv, S, D].
+        # out: [B, T, H, D]; ck, cv: one layer of the cache, [B, H_kv, S, D]; a RING
+        # keeps position p at slot p % S.
         # Grid: (B * T, H + H_kv); head ids past H are KV heads.
         token = tl.program_id(0)
         head = tl.program_id(1)
@@ -206,16 +209,21 @@ if triton is not None:
             kv_head = (head - H).to(tl.int64)
             # A slot outside the cache would be a write to someone else's memory: drop it.
             # (Built as a block: the interpreter mis-types a block mask & a scalar one.)
-            slot = tl.zeros([HALF], dtype=tl.int64) + pos
-            in_cache = (slot >= 0) & (slot < S)
+            at = tl.zeros([HALF], dtype=tl.int64) + pos
+            if RING:
+                in_cache = at >= 0
+                slot = pos % S
+            else:
+                in_cache = (at >= 0) & (at < S)
+                slot = pos
             k_src = k_ptr + b * sk_b + t * sk_t + kv_head * sk_h
             k1, k2 = _rotated_head(k_src, kn_ptr, cos, sin, eps, HALF, HAS_QK_NORM)
-            k_dst = ck_ptr + b * sck_b + kv_head * sck_h + pos * sck_s
+            k_dst = ck_ptr + b * sck_b + kv_head * sck_h + slot * sck_s
             tl.store(k_dst + half, k1.to(ck_ptr.dtype.element_ty), mask=in_cache)
             tl.store(k_dst + HALF + half, k2.to(ck_ptr.dtype.element_ty), mask=in_cache)
             # v is stored as is (cast only if the cache has another dtype).
             v_src = v_ptr + b * sv_b + t * sv_t + kv_head * sv_h
-            v_dst = cv_ptr + b * scv_b + kv_head * scv_h + pos * scv_s
+            v_dst = cv_ptr + b * scv_b + kv_head * scv_h + slot * scv_s
             v_dtype = cv_ptr.dtype.element_ty
             tl.store(v_dst + half, tl.load(v_src + half).to(v_dtype), mask=in_cache)
             tl.store(v_dst + HALF + half, tl.load(v_src + HALF + half).to(v_dtype),
@@ -277,13 +285,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 def rope_and_store(q, k, v, positions, inv_freq, cache_k, cache_v, layer: int,
-                   q_norm=None, k_norm=None, eps: float = 1e-6) -> torch.Tensor:
+                   q_norm=None, k_norm=None, eps: float = 1e-6, *,
+                   ring: bool = False) -> torch.Tensor:
     """Rotary embedding of q and k (after Qwen3's per-head RMSNorm when q_norm/k_norm are
     given), with the rotated k and the raw v stored in the cache at their positions.
 
     q [B, T, H, D]; k, v [B, T, H_kv, D] (any B/T/head strides, last-dim stride 1);
     positions [B, T] (device ints); inv_freq [D/2] float32; cache_k, cache_v
-    [L, B, H_kv, S, D], written at ``[layer, b, h, positions[b, t]]``; q_norm, k_norm
+    [L, B, H_kv, S, D], written at ``[layer, b, h, positions[b, t]]`` (at slot
+    ``positions[b, t] % S`` where the layer is a ``ring``); q_norm, k_norm
     None or [D] in the model dtype (the normed heads are rounded to q's / k's dtype, as
     RMSNorm does) -> q_rot [B, T, H, D], contiguous, in q's dtype.
     """
@@ -317,7 +327,7 @@ def rope_and_store(q, k, v, positions, inv_freq, cache_k, cache_v, layer: int,
         v.stride(0), v.stride(1), v.stride(2), positions.stride(0), positions.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
         ck.stride(0), ck.stride(1), ck.stride(2), cv.stride(0), cv.stride(1), cv.stride(2),
-        HALF=d // 2, HAS_QK_NORM=has_norm, num_warps=launch.elementwise_warps(d))
+        HALF=d // 2, HAS_QK_NORM=has_norm, RING=ring, num_warps=launch.elementwise_warps(d))
     return out
 
 

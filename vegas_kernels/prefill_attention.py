@@ -90,13 +90,27 @@ def reference_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       start: int, window: int | None = None,
-                      sinks: torch.Tensor | None = None) -> torch.Tensor:
+                      sinks: torch.Tensor | None = None, *,
+                      ring: int | None = None) -> torch.Tensor:
     """q [B, T, H, D] at positions start..start+T-1 of every sequence; k, v
     [B, H_kv, >= start + T, D] (any strides with a contiguous last dim, e.g. cache
-    views); window: a sliding window or None; sinks: [H] or None -> [B, T, H, D] in
-    q's dtype."""
+    views), or with ``ring`` a layer's whole ring [B, H_kv, ring, D] (position p at
+    slot p % ring; it must hold the window before the block and the block itself);
+    window: a sliding window or None; sinks: [H] or None -> [B, T, H, D] in q's
+    dtype."""
     b, t, h, d = q.shape
     s = start + t
+    if ring is not None and s > ring:
+        if window is None or window + t - 1 > ring:
+            raise ValueError(f"a ring of {ring} slots cannot hold a window of {window} "
+                             f"positions before a block of {t} rows")
+        # The positions the block sees, in order: the band mask depends on differences
+        # of positions only, so the block attends as if they started at 0.
+        first = max(0, start - window + 1)
+        slots = torch.arange(first, s, device=k.device) % ring
+        k, v = k.index_select(2, slots), v.index_select(2, slots)
+        start -= first
+        s = start + t
     if sinks is not None:
         # The sink is slot 0 now: every position moves up by one.
         q, k, v = _with_sink_slot(q, k[:, :, :s], v[:, :, :s], sinks)

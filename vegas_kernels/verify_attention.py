@@ -26,6 +26,10 @@ A row that sees no slot gets out 0 and lse -inf.
 A sliding ``window`` (hybrid models' local layers) limits row r to the slots
 ``positions[b, r] - window < s <= positions[b, r]``: the splits then cut only the slots
 some row of the window sees, so a local layer reads its window, not the whole cache.
+Where the cache keeps a sliding layer as a ring (``vegas_core.cache``), ``ring`` maps
+position p to slot p % ring: the window says which positions are read, the ring where
+they lie.
+
 Attention ``sinks`` ([H], gpt-oss) are a logit per query head that joins every row's
 softmax as one more slot with no value; it is added once, after the splits.
 
@@ -112,9 +116,10 @@ if triton is not None:
     @triton.jit
     def _verify_tile(q, q_side, q_sum, k_head, v_head, scores_head, edges_head, n0, end, pos,
                      side_pos, window, weight, row_ok, side_ok, m_i, l_i, acc, sk_s, sv_s,
-                     se_r, sm_scale, BLOCK_N: tl.constexpr, D: tl.constexpr,
+                     se_r, sm_scale, ring, BLOCK_N: tl.constexpr, D: tl.constexpr,
                      SIDE_M: tl.constexpr, COLLECT: tl.constexpr, DOT_SUM: tl.constexpr,
-                     KEEP_EDGES: tl.constexpr, IEEE: tl.constexpr, VISIBLE: tl.constexpr):
+                     KEEP_EDGES: tl.constexpr, IEEE: tl.constexpr, VISIBLE: tl.constexpr,
+                     RING: tl.constexpr):
         """One tile of BLOCK_N slots from n0. A VISIBLE tile lies wholly before every
         row's position, inside every row's sliding window and inside the range: no masks
         at all (wide, pipelined loads). Other tiles (the verify window's own slots, a
@@ -130,8 +135,12 @@ if triton is not None:
         slots = n0 + tl.arange(0, BLOCK_N)
         side_rows = tl.arange(0, SIDE_M)
         dims = tl.arange(0, D)
-        k_ptrs = k_head + slots[:, None] * sk_s + dims[None, :]
-        v_ptrs = v_head + slots[:, None] * sv_s + dims[None, :]
+        if RING:
+            stored = slots % ring  # position p lives in slot p % ring
+        else:
+            stored = slots
+        k_ptrs = k_head + stored[:, None] * sk_s + dims[None, :]
+        v_ptrs = v_head + stored[:, None] * sv_s + dims[None, :]
         if VISIBLE:
             k = tl.load(k_ptrs)
             s = scaled_scores(q, k, sm_scale, IEEE)
@@ -172,11 +181,11 @@ if triton is not None:
         COUNT, SINKS, OUT, LSE, so_b, so_t, so_h, sl_b, sl_t, sl_h,
         sq_b, sq_t, sq_h, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sp_b, sp_t, sw_b, sw_t,
         sa_bh, sa_sp, sa_m, sm_bh, sm_sp, ss_b, ss_h, se_b, se_h, se_r,
-        kv_len, window, splits, sm_scale,
+        kv_len, window, splits, sm_scale, ring,
         H_KV: tl.constexpr, G: tl.constexpr, T: tl.constexpr, D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, COLLECT: tl.constexpr,
         DOT_SUM: tl.constexpr, SIDE_M: tl.constexpr, KEEP_EDGES: tl.constexpr,
-        WINDOWED: tl.constexpr, IEEE: tl.constexpr,
+        WINDOWED: tl.constexpr, RING: tl.constexpr, IEEE: tl.constexpr,
         MERGE: tl.constexpr, LANES: tl.constexpr, MERGE_ROWS: tl.constexpr,
         MERGE_DIMS: tl.constexpr, STORE_LSE: tl.constexpr, HAS_SINKS: tl.constexpr,
     ):
@@ -260,20 +269,20 @@ if triton is not None:
                 m_i, l_i, acc = _verify_tile(q, q_side, q_sum, k_head, v_head, scores_head,
                                              edges_head, n0, end, pos, side_pos, window,
                                              weight, row_ok, side_ok, m_i, l_i, acc, sk_s,
-                                             sv_s, se_r, sm_scale, BLOCK_N, D, SIDE_M,
-                                             COLLECT, DOT_SUM, KEEP_EDGES, IEEE, False)
+                                             sv_s, se_r, sm_scale, ring, BLOCK_N, D, SIDE_M,
+                                             COLLECT, DOT_SUM, KEEP_EDGES, IEEE, False, RING)
         for n0 in range(head_end, visible_end, BLOCK_N):
             m_i, l_i, acc = _verify_tile(q, q_side, q_sum, k_head, v_head, scores_head,
                                          edges_head, n0, end, pos, side_pos, window, weight,
                                          row_ok, side_ok, m_i, l_i, acc, sk_s, sv_s, se_r,
-                                         sm_scale, BLOCK_N, D, SIDE_M, COLLECT, DOT_SUM,
-                                         KEEP_EDGES, IEEE, True)
+                                         sm_scale, ring, BLOCK_N, D, SIDE_M, COLLECT,
+                                         DOT_SUM, KEEP_EDGES, IEEE, True, RING)
         for n0 in range(visible_end, end, BLOCK_N):
             m_i, l_i, acc = _verify_tile(q, q_side, q_sum, k_head, v_head, scores_head,
                                          edges_head, n0, end, pos, side_pos, window, weight,
                                          row_ok, side_ok, m_i, l_i, acc, sk_s, sv_s, se_r,
-                                         sm_scale, BLOCK_N, D, SIDE_M, COLLECT, DOT_SUM,
-                                         KEEP_EDGES, IEEE, False)
+                                         sm_scale, ring, BLOCK_N, D, SIDE_M, COLLECT,
+                                         DOT_SUM, KEEP_EDGES, IEEE, False, RING)
         store_partials(ACC, MAX, SUM, LIVE, bh, split, bh * sa_bh + split * sa_sp,
                        bh * sm_bh + split * sm_sp, sa_m, acc, m_i, l_i, live, start, end,
                        G * T, BLOCK_M, D)
@@ -304,7 +313,7 @@ def scores_home(scores_out, b: int, h_kv: int, kv_len: int, device) -> torch.Ten
 
 def verify_attention(q, k, v, positions, kv_len: int, row_weights=None, *, scores_out=None,
                      edge_logits: bool = False, splits: int | None = None,
-                     window: int | None = None, sinks=None):
+                     window: int | None = None, sinks=None, ring: int | None = None):
     """Triton verify/decode attention; same contract as ``reference_verify_attention``
     but ``out`` in q's dtype, and scores only at the slots each sequence's rows see
     (below its total, and from its first row's window start).
@@ -320,7 +329,9 @@ def verify_attention(q, k, v, positions, kv_len: int, row_weights=None, *, score
     kv_len: a static bound on the slots read; row_weights [B, T] or None; scores_out: an
     optional float32 [B, H_kv, >= kv_len] home for the scores (any strides but the last);
     splits: the split count (default ``splits_for``); window: a sliding window or None;
-    sinks: [H] or None. Reads nothing back from the device.
+    sinks: [H] or None; ring: k and v are a sliding layer's ring of this many slots,
+    position p at slot p % ring (it must hold every row's window: ring >= window + T - 1).
+    Reads nothing back from the device.
     """
     b, t, h, d = q.shape
     h_kv = k.shape[1]
@@ -335,6 +346,9 @@ def verify_attention(q, k, v, positions, kv_len: int, row_weights=None, *, score
     collect = row_weights is not None
     if scores_out is not None and not collect:
         raise ValueError("scores_out needs row_weights")
+    if ring is not None and (collect or window is None or window + t - 1 > ring):
+        raise ValueError(f"a ring of {ring} slots serves a sliding window of at most "
+                         f"{ring - t + 1} positions, without scores")
     if edge_logits and (collect or window is not None):
         raise ValueError("edge_logits replaces row_weights and needs a layer without a "
                          "sliding window")
@@ -355,10 +369,12 @@ def verify_attention(q, k, v, positions, kv_len: int, row_weights=None, *, score
         acc.stride(0), acc.stride(1), acc.stride(2), maxes.stride(0), maxes.stride(1),
         scores.stride(0), scores.stride(1), edges.stride(0), edges.stride(1), edges.stride(2),
         kv_len, NO_WINDOW if window is None else window, splits, 1.0 / math.sqrt(d),
+        ring or 1,
         H_KV=h_kv, G=g, T=t, D=d, BLOCK_M=launch.block_rows(g * t), BLOCK_N=block_n,
         COLLECT=collect, DOT_SUM=launch.block_rows(g * t) >= launch.DOT_SUM_ROWS,
         SIDE_M=launch.block_rows(edge_rows(t) * g if edge_logits else 1),
-        KEEP_EDGES=edge_logits, WINDOWED=window is not None, IEEE=q.dtype == torch.float32,
+        KEEP_EDGES=edge_logits, WINDOWED=window is not None, RING=ring is not None,
+        IEEE=q.dtype == torch.float32,
         **merge_flags, num_warps=launch.SPLIT_WARPS, num_stages=launch.split_stages(d),
     )
     if counters is None:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from vegas_core.cache import layer_slots
 from vegas_core.config import ModelConfig
 from vegas_core.errors import VegasError
 
@@ -55,9 +56,10 @@ def staging_bytes(config: ModelConfig) -> int:
 
 
 def kv_cache_bytes(config: ModelConfig, dtype: torch.dtype, tokens: int, batch_size: int) -> int:
-    """A preallocated K and V cache of ``tokens`` positions for ``batch_size`` sequences."""
-    per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim
-    return per_token * tokens * batch_size * dtype_bytes(dtype)
+    """A preallocated K and V cache of ``tokens`` positions for ``batch_size`` sequences
+    (a hybrid model's sliding layers as rings where the cache is longer than theirs)."""
+    per_slot = 2 * config.num_kv_heads * config.head_dim * dtype_bytes(dtype)
+    return layer_slots(config.num_layers, config.window, tokens) * per_slot * batch_size
 
 
 def largest_batch_that_fits(config: ModelConfig, device: torch.device, dtype: torch.dtype,
