@@ -220,6 +220,7 @@ def run(args, save) -> dict:
 
     from vegas_core import SpecConfig, load_model
     from vegas_core.graphs import release_workspace
+    from vegas_core.loading.memory import kv_cache_bytes
 
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", file=sys.stderr, flush=True)
@@ -234,11 +235,11 @@ def run(args, save) -> dict:
     for name in args.models:
         model = load_model(f"dummy:{name}", device="cuda", dtype="bfloat16")
         wbytes = weight_bytes_read(model.net)  # every expert: what memory must hold
-        per_token = kv_bytes_per_token(model.config)
         for ctx in args.ctx:
             for b in args.batch:
                 row = {"model": name, "ctx": ctx, "batch": b}
-                need = wbytes + per_token * b * (ctx + margin)
+                # The cache as allocated: a hybrid model's sliding layers as rings.
+                need = wbytes + kv_cache_bytes(model.config, torch.bfloat16, ctx + margin, b)
                 if need + HEADROOM > total_memory:
                     row["skipped"] = (f"needs {need / 2**30:.0f} GiB of weights and KV; the GPU "
                                       f"has {total_memory / 2**30:.0f} GiB")
