@@ -75,8 +75,8 @@ def _sweep_trial(point, prefix: int, acceptance: list[float], iteration_seconds:
 
 def test_the_race_takes_the_best_pairs_each_at_its_best_gamma_and_either_side():
     """Candidates are the best (selection, budget) pairs, not the best points (which crowd
-    onto one pair's flat top), each at its best predicted gamma and either side, then
-    each drafter's best."""
+    onto one pair's flat top), then each drafter's two best pairs, each at its best
+    predicted gamma and either side."""
     batch, prefix, probe = 4, 1000, 8
     search = Search(batch, selections("vllm"), (128, 256), probe, prefix, 63, 900)
     vegas, streaming = search.selections
@@ -94,5 +94,10 @@ def test_the_race_takes_the_best_pairs_each_at_its_best_gamma_and_either_side():
     steps = SimpleNamespace(options=TuneOptions(candidates=2))
     chosen = Steps.candidates(steps, landscape)
     assert all(1 < p.gamma < probe for p in bests[:2])
-    assert chosen[:6] == [p.with_gamma(p.gamma + d) for p in bests[:2] for d in (0, -1, 1)]
-    assert chosen[6:] == [landscape.best("streaming")] == [bests[2]]
+    around = lambda p: [p.with_gamma(p.gamma + d) for d in (0, -1, 1)]  # noqa: E731
+    assert chosen[:6] == around(bests[0]) + around(bests[1])
+    # streaming's two pairs (vegas's two are the best two already)
+    assert bests[2] == landscape.best("streaming")
+    assert chosen[6:] == around(bests[2]) + around(bests[3])
+    steps = SimpleNamespace(options=TuneOptions(candidates=1))
+    assert Steps.candidates(steps, landscape) == chosen  # vegas's second pair comes in too

@@ -63,10 +63,10 @@ def test_tune_writes_a_valid_profile_and_its_files(tuned_profile, capsys):
     assert profile["steps"][0]["trials"] == 1 + 2 * 2 + 1
     race = profile["steps"][-1]
     raced = [p for p in race["predictions"] if p["measured_tokens_per_second"] is not None]
-    # The two best (selection, budget) pairs, each at its best gamma and either side,
-    # and the best of a drafter they left out.
+    # The two best (selection, budget) pairs and each drafter's two best, each at its
+    # best gamma and either side: at most the four pairs of this space.
     pairs = {(p["drafter"], p["score"], p["window"], p["budget"]) for p in raced}
-    assert 2 <= len(pairs) <= 3 and 2 <= len(raced) <= 7
+    assert 2 <= len(pairs) <= 4 and 2 <= len(raced) <= 12
     assert {p["drafter"] for p in raced} == {"vegas", "streaming"}
     assert profile["tuned"]["min_tokens"] in (32, 64, 128)
     assert [e["batch_size"] for e in profile["schedule"]] == [1]
@@ -407,7 +407,10 @@ def test_configurations_the_data_cannot_order_are_measured_more_then_the_higher_
     race = profile["steps"][-1]
     assert race["name"] == "race" and race["chosen"]["rounds"] == 8
     raced = [p for p in race["predictions"] if p["measured_speedup"] is not None]
-    assert race["chosen"]["speedup"] == max(p["measured_speedup"] for p in raced)
+    # The highest mean of those that ran every round (one that dropped out after fewer,
+    # its interval below the leader's round by round, may show a higher noisy mean).
+    last = [w["speedup"] for w in race["within_noise"] if w["rounds"] == 8]
+    assert last and race["chosen"]["speedup"] >= max(last)
     assert len(race["within_noise"]) == len(raced) - 1
     assert "the higher mean taken" in race["notes"]
 

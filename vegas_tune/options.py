@@ -40,7 +40,7 @@ class TuneOptions:
     candidates: int = _option(
         3, "Best predicted (selection, budget) pairs measured against vanilla in "
            "interleaved rounds at each batch size, each at its best predicted gamma and the "
-           "gammas either side (with the best of each drafter).")
+           "gammas either side (with the two best of each drafter).")
     max_rounds: int = _option(8, "Measurement rounds per configuration, at most.")
     precision: float = _option(
         0.01, "The race ends when no configuration left can beat the leader by more than "

@@ -12,8 +12,8 @@
    best predicted gamma: a pair's acceptance shifts with gamma, and pairs within a few
    percent of each other are ranked by one sweep run each.
 4. ``race``: the best predicted (selection, budget) pairs (``TuneOptions.candidates`` of
-   them), each at its best predicted gamma and the gammas either side, and each
-   drafter's best, are measured with vanilla in interleaved rounds. After ``MIN_ROUNDS``
+   them) and each drafter's best two, each at its best predicted gamma and the gammas
+   either side, are measured with vanilla in interleaved rounds. After ``MIN_ROUNDS``
    each is judged by its throughput over the leader's, round by round: one that is
    surely slower drops out, and the race ends when one is left, when no one left can
    beat the leader by more than ``precision``, or after ``max_rounds``
@@ -53,6 +53,12 @@ STEPS = (SWEEP, EXTEND, FOCUS, RACE)
 # theirs: SmolLM2 8k at batch 64 on an H100, one sweep ranked the grid's best pair 7th.
 FOCUS_PAIRS = 8
 VANILLA = "vanilla"
+# Pairs of each drafter raced (each at its best predicted gamma and either side), beside
+# the best pairs overall: the profile's "over streaming" compares with the best streaming
+# configuration raced, and one drafter's pairs can lie within the model's error of each
+# other. Gemma3-270M 32k at batch 128 on an H100: streaming at 2048 slots was predicted
+# 1.2% below 1024 slots and not raced; the grid measured it 5% faster (tuner-regret.md).
+DRAFTER_PAIRS = 2
 # Rounds before a configuration may drop out or the race stop for precision: fewer give
 # intervals too wide (t quantile 12.7 at two samples) to decide on.
 MIN_ROUNDS = 3
@@ -404,23 +410,23 @@ class Steps:
 
     def candidates(self, landscape: Landscape) -> list[Point]:
         """Each of the ``candidates`` best (selection, budget) pairs at its best predicted
-        gamma and the gammas either side, then each drafter's best not among them.
+        gamma and the gammas either side, then each drafter's ``DRAFTER_PAIRS`` best pairs
+        the same way, where not among them.
 
         Pairs, not the best points: near its best gamma a pair's curve is flat, so the
         best points are mostly one pair at adjacent gammas, while pairs that differ in
         selection by 2% are known from one sweep run each (SmolLM2 8k, batch 64, H100:
         the 4 best points, one pair at gammas 9-12, left out the grid's best pair). And
         either side: the measured best gamma of a pair lay one from its prediction."""
+        bests = landscape.curve_bests()
+        pairs = bests[: self.options.candidates]
+        for drafter in dict.fromkeys(s.drafter for s in landscape.search.selections):
+            pairs += [p for p in bests if p.selection.drafter == drafter][:DRAFTER_PAIRS]
         chosen: list[Point] = []
-        for best in landscape.curve_bests()[: self.options.candidates]:
+        for best in dict.fromkeys(pairs):
             top = landscape.curves[best.curve].top_gamma
             chosen += [best.with_gamma(g) for g in (best.gamma, best.gamma - 1, best.gamma + 1)
                        if 1 <= g <= top]
-        for drafter in dict.fromkeys(s.drafter for s in landscape.search.selections):
-            if not any(p.selection.drafter == drafter for p in chosen):
-                best = landscape.best(drafter)
-                if best is not None:
-                    chosen.append(best)
         return chosen
 
     def race(self, landscape: Landscape, search: Search) -> tuple[dict, StepResult]:
