@@ -204,3 +204,51 @@ def test_a_prompt_diverging_before_the_saved_tail_is_computed_again(monkeypatch)
     assert cache.restore_prompt_tail(0, 200 - PROMPT_TAIL_SLACK)
     assert not cache.restore_prompt_tail(0, 200 - PROMPT_TAIL_SLACK - 1)
     assert cache.restore_prompt_tail(0, 0)  # nothing reused, nothing needed
+
+
+def test_a_prefix_cache_serves_a_ring_cache_from_the_saved_tails(gemma3, monkeypatch):
+    """On the reference path (no kept cache: every call prefills through the store), the
+    copies a ring cache stores give the same tokens as computing the prompts, and serve
+    them: later calls compute nothing of them."""
+    from vegas_core.prefill import PrefixCache
+
+    small_rings(monkeypatch, 12)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (90, 61)]
+    want = generate(gemma3, prompts, max_new_tokens=12, ignore_eos=True).tokens
+    store = PrefixCache(device_bytes=1 << 30)
+    spec = SpecConfig(drafter="vegas", gamma=3, sparsity=0.1, min_tokens=8)
+    computed, runs = [], []
+    for kw in ({}, {}, {"spec": spec}):
+        totals = {0}  # prefill tokens computed, as the progress callback reports them
+
+        def progress(phase, done, total, totals=totals):
+            if phase == "prefill":
+                totals.add(total)
+
+        runs.append(generate(gemma3, prompts, max_new_tokens=12, ignore_eos=True,
+                             prefix_cache=store, progress=progress, **kw).tokens)
+        computed.append(max(totals))
+    assert runs == [want] * 3
+    assert len(store._entries) == 2 and store._entries[0][1].tail_k is not None
+    # All of it, then nothing: the copies (with their last hidden states) serve the
+    # prompts, and the heads before the speculative window.
+    assert computed == [90 + 61, 0, 0]
+
+
+def test_a_copy_serves_only_a_cache_of_its_own_layout(monkeypatch):
+    small_rings(monkeypatch, 8)
+    rings = KVCache(3, 1, 256, 1, 2, dtype=torch.float32, device="cpu", window=WINDOW)
+    full = KVCache(3, 1, 16, 1, 2, dtype=torch.float32, device="cpu", window=WINDOW)
+    rings.save_prompt_tail(0, 200)
+    copy = rings.prompt_copy(0, 200)
+    assert tuple(copy.k.shape) == (1, 1, 200, 2)  # the global layer
+    assert tuple(copy.tail_k.shape) == (2, 1, 8 + PROMPT_TAIL_SLACK, 2)  # the sliding ones
+    assert not full.take_prompt(0, copy, 0, 10)  # no full-length K/V of the sliding layers
+    assert full.prompt_copy(0, 10).tail_k is None
+    assert not rings.take_prompt(0, full.prompt_copy(0, 10), 0, 10)
+    other = KVCache(3, 1, 256, 1, 2, dtype=torch.float32, device="cpu", window=WINDOW)
+    assert other.take_prompt(0, copy, 0, 200) and other.tail_end[0] == 200
+    assert not other.take_prompt(0, copy, 0, 200 - PROMPT_TAIL_SLACK - 1)
+    with pytest.raises(ValueError, match="saved tail"):
+        rings.prompt_copy(0, 199)

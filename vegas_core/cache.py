@@ -65,6 +65,32 @@ def layer_slots(num_layers: int, window: SlidingWindow | None, max_len: int) -> 
 
 
 @dataclass
+class PromptCopy:
+    """A row's K/V of a prompt's positions [0, end), as a ``PrefixCache`` keeps them:
+    ``k``, ``v`` [L_full, H_kv, end, D] of the layers at full length, and where the cache
+    has rings their saved tail ``tail_k``, ``tail_v`` [L_ring, H_kv, n, D] (positions
+    [end - n, end)), else None."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    tail_k: torch.Tensor | None
+    tail_v: torch.Tensor | None
+    end: int
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.k, self.v, self.tail_k, self.tail_v) if t is not None]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def map(self, fn) -> "PromptCopy":
+        """The same copy with ``fn`` applied to each tensor (a clone, a move to the host)."""
+        tail = (None, None) if self.tail_k is None else (fn(self.tail_k), fn(self.tail_v))
+        return PromptCopy(fn(self.k), fn(self.v), *tail, self.end)
+
+
+@dataclass
 class PromptSlots:
     """Slots [0, len(ids)) of a row hold the K/V a prefill of ``ids`` computes;
     ``last_hidden`` [hidden] is the final hidden state of ids[-1] (None if unknown)."""
@@ -226,6 +252,37 @@ class KVCache:
         slots = torch.arange(lo, reused, device=self.ring_k.device) % self.ring_slots
         self.ring_k[:, row].index_copy_(2, slots, self.tail_k[:, row, :, : reused - lo])
         self.ring_v[:, row].index_copy_(2, slots, self.tail_v[:, row, :, : reused - lo])
+        return True
+
+    def prompt_copy(self, row: int, end: int) -> PromptCopy:
+        """Views of ``row``'s K/V of the prompt just prefilled there, positions [0, end)
+        (with rings: its saved tail, so ``save_prompt_tail`` must have kept that end)."""
+        tail = (None, None)
+        if self.ring_k is not None:
+            if self.tail_end[row] != end:
+                raise ValueError(f"row {row}'s saved tail ends at {self.tail_end[row]}, "
+                                 f"not at the prompt's end {end}")
+            n = min(end, self.tail_k.shape[3])
+            tail = (self.tail_k[:, row, :, :n], self.tail_v[:, row, :, :n])
+        return PromptCopy(self.k[:, row, :, :end], self.v[:, row, :, :end], *tail, end)
+
+    def take_prompt(self, row: int, copy: PromptCopy, start: int, reused: int) -> bool:
+        """Fill ``row``'s positions [start, reused) from ``copy`` (a ``PrefixCache``
+        entry whose first ``reused`` tokens the row's prompt shares): True when done,
+        False when the copy cannot serve this cache (another layout: rings or not) or,
+        with rings, its tail does not cover the window before ``reused``."""
+        if copy.k.shape[0] != self.k.shape[0] or (copy.tail_k is None) != (self.ring_k is None):
+            return False
+        if self.ring_k is not None:
+            if not copy.end - PROMPT_TAIL_SLACK <= reused <= copy.end:
+                return False
+            n = copy.tail_k.shape[2]
+            self.tail_k[:, row, :, :n] = copy.tail_k
+            self.tail_v[:, row, :, :n] = copy.tail_v
+            self.tail_end[row] = copy.end
+            self.restore_prompt_tail(row, reused)
+        self.k[:, row, :, start:reused] = copy.k[:, :, start:reused]
+        self.v[:, row, :, start:reused] = copy.v[:, :, start:reused]
         return True
 
     def fill_(self, fill) -> None:

@@ -7,9 +7,9 @@ things let it skip work:
 - the cache's own memory of its rows (``KVCache.prompts``): a kept cache whose row
   already holds the prompt, or a leading part of it, computes only the rest;
 - a ``PrefixCache``: copies of earlier prompts' K/V, for workloads that cycle more
-  prompts through a batch than it has rows. A cache whose sliding layers keep rings
-  (``vegas_core.cache``) holds no full-length K/V of those layers to copy, so it neither
-  stores nor reads one; it reuses its own rows through their saved prompt tails.
+  prompts through a batch than it has rows. Where the cache keeps a hybrid model's
+  sliding layers as rings (``vegas_core.cache``), a copy holds those layers' saved tail
+  only, and serves prompts that share all but its last ``PROMPT_TAIL_SLACK`` tokens.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from vegas_core.attention import AttentionMeta, prefill_kernels_enabled
-from vegas_core.cache import KVCache, PromptSlots, common_prefix
+from vegas_core.cache import KVCache, PromptCopy, PromptSlots, common_prefix
 from vegas_core.errors import VegasError
 
 # progress(phase, done, total) with phase "prefill" (tokens) or "decode" (tokens).
@@ -122,8 +122,8 @@ class PrefixCache:
 
     def __init__(self, device_bytes: int | None = None, host_bytes: int | None = None) -> None:
         self.device_bytes, self.host_bytes = device_bytes, host_bytes
-        # (ids, k [L, H_kv, n, D], v, last_hidden or None)
-        self._entries: list[tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+        # (ids, their K/V, last_hidden or None)
+        self._entries: list[tuple[list[int], PromptCopy, torch.Tensor | None]] = []
         self._index: dict[tuple[int, ...], list[int]] = {}
         self._used = {"device": 0, "host": 0}
 
@@ -136,19 +136,19 @@ class PrefixCache:
             return self._index.get(tuple(ids[:INDEX_TOKENS]), [])
         return list(range(len(self._entries)))
 
-    def find(self, ids: list[int]):
-        """(m, k [L, H_kv, m, D], v, last_hidden or None) for the stored prompt sharing
-        the most leading tokens (m) with ``ids``; last_hidden only if it is ids' own."""
+    def find(self, ids: list[int]) -> tuple[int, PromptCopy | None, torch.Tensor | None]:
+        """(m, the copy, last_hidden or None) for the stored prompt sharing the most
+        leading tokens (m) with ``ids``; last_hidden only if it is ids' own."""
         best, best_len = None, 0
         for i in self._candidates(ids):
             m = common_prefix(self._entries[i][0], ids)
             if m > best_len:
                 best, best_len = i, m
         if best is None:
-            return 0, None, None, None
-        stored, k, v, last = self._entries[best]
+            return 0, None, None
+        stored, copy, last = self._entries[best]
         whole = best_len == len(ids) == len(stored)
-        return best_len, k[:, :, :best_len], v[:, :, :best_len], (last if whole else None)
+        return best_len, copy, (last if whole else None)
 
     def _tier(self, size: int, device: torch.device) -> str | None:
         if self.device_bytes is None:
@@ -165,15 +165,14 @@ class PrefixCache:
             return "host"
         return None
 
-    def add(self, ids: list[int], k: torch.Tensor, v: torch.Tensor,
-            last: torch.Tensor | None) -> bool:
-        """Store a prompt's K/V ([L, H_kv, n, D] each); False when no tier has room or
+    def add(self, ids: list[int], copy: PromptCopy, last: torch.Tensor | None) -> bool:
+        """Store a prompt's K/V (``KVCache.prompt_copy``); False when no tier has room or
         a stored prompt already covers it."""
         m, *_ = self.find(ids)
         if m == len(ids):
             return False
-        size = 2 * k.numel() * k.element_size()
-        tier = self._tier(size, k.device)
+        size = copy.nbytes
+        tier = self._tier(size, copy.k.device)
         if tier is None:
             return False
 
@@ -182,8 +181,7 @@ class PrefixCache:
                 return t.clone()
             return t.to("cpu").pin_memory() if t.is_cuda else t.to("cpu", copy=True)
 
-        self._entries.append((list(ids), keep(k), keep(v),
-                              None if last is None else last.clone()))
+        self._entries.append((list(ids), copy.map(keep), None if last is None else last.clone()))
         if len(ids) >= INDEX_TOKENS:
             self._index.setdefault(tuple(ids[:INDEX_TOKENS]), []).append(len(self._entries) - 1)
         self._used[tier] += size
@@ -243,7 +241,6 @@ def prefill(model, prompt_ids: list[list[int]], cache: KVCache, *,
         # A ring holds the window before a chunk and the chunk: chunks of at most its
         # headroom, the same tokens per forward (more sequences together).
         rows_per_chunk = min(rows_per_chunk, cache.ring_slots - cache.window + 1)
-        reuse = None
     last_hidden = torch.zeros(len(prompt_ids), model.config.hidden_size, dtype=model.dtype,
                               device=dev)
     starts, hidden_known = [], [False] * len(prompt_ids)
@@ -256,10 +253,8 @@ def prefill(model, prompt_ids: list[list[int]], cache: KVCache, *,
         if not cache.restore_prompt_tail(b, start):
             start, held = 0, None
         if start < len(ids) and reuse is not None:
-            m, k, v, last = reuse.find(ids)
-            if m > start:
-                cache.k[:, b, :, start:m] = k[:, :, start:m]
-                cache.v[:, b, :, start:m] = v[:, :, start:m]
+            m, stored, last = reuse.find(ids)
+            if m > start and cache.take_prompt(b, stored, start, m):
                 start = m
                 held = PromptSlots(ids[:m], last)
         if start == len(ids) and held.last_hidden is not None and len(held.ids) == len(ids):
@@ -296,7 +291,6 @@ def prefill(model, prompt_ids: list[list[int]], cache: KVCache, *,
         if b in computed:
             cache.save_prompt_tail(b, len(ids))
         if b in computed and reuse is not None:
-            reuse.add(ids, cache.k[:, b, :, : len(ids)], cache.v[:, b, :, : len(ids)],
-                      last_hidden[b])
+            reuse.add(ids, cache.prompt_copy(b, len(ids)), last_hidden[b])
     cache.lengths.copy_(torch.tensor([len(p) for p in prompt_ids], device=dev))
     return last_hidden
