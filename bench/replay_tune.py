@@ -15,7 +15,8 @@ Only what the recorded run measured can be replayed: a configuration the recorde
 did not measure has no rounds. With ``--grid`` (a ``vegas-tune grid`` file of the same
 workload and batch size) it also lists the configurations today's rule would race
 (``Steps.candidates``) with each one's single grid run, beside the grid's best: how close
-the race could get, as far as one run per point can tell.
+the race could get, as far as one run per point can tell; and the cost model against every
+grid point it predicts (median and largest errors, the share within 10%).
 
     python bench/replay_tune.py tests/data/tune-h100-smollm2-8k-b64.journal
     python bench/replay_tune.py a.journal --grid grid.json
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import statistics
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -81,6 +83,39 @@ def candidate_lines(landscape: Landscape, options: TuneOptions, grid: dict) -> l
     return lines
 
 
+# A prediction this close to a point's one grid run counts as right (issue 44's target).
+MODEL_TOLERANCE = 0.10
+
+
+def model_error_lines(landscape: Landscape, grid: dict) -> list[str]:
+    """The cost model against every point of ``grid`` it predicts (its pairs, gammas up
+    to each curve's top): per drafter and score, how far its predictions lie from the
+    points' one run each."""
+    errors: dict[str, list[float]] = {}
+    for r in grid["grid"]["rows"]:
+        if r.get("out_of_memory") is not None:
+            continue
+        for point in landscape.points():
+            spec = landscape.search.spec(point)
+            if (spec.drafter, spec.score, spec.window, point.budget, point.gamma) == (
+                    r["drafter"], r["score"], r["window"], r["budget"], r["gamma"]):
+                family = spec.drafter + ("" if spec.drafter == "streaming" else f" {spec.score}")
+                errors.setdefault(family, []).append(
+                    landscape.predict(point) / r["tokens_per_second"] - 1)
+                break
+    lines = ["", "The cost model (this tune's runs) against the grid's points it predicts:", "",
+             "| rules | points | median error | largest under | largest over | within "
+             f"{MODEL_TOLERANCE:.0%} |", "|---|---|---|---|---|---|"]
+    for family, errs in [*sorted(errors.items()), ("all", sum(errors.values(), []))]:
+        if not errs:
+            continue
+        within = sum(abs(e) <= MODEL_TOLERANCE for e in errs) / len(errs)
+        lines.append(f"| {family} | {len(errs)} | {100 * statistics.median(errs):+.1f}% | "
+                     f"{100 * min(min(errs), 0):+.1f}% | {100 * max(max(errs), 0):+.1f}% | "
+                     f"{within:.0%} |")
+    return lines
+
+
 def replay_size(batch: int, by_step: dict, fingerprint: dict,
                 grid: dict | None = None) -> list[str]:
     ctx, new = fingerprint["ctx"], fingerprint["max_new_tokens"]
@@ -96,7 +131,8 @@ def replay_size(batch: int, by_step: dict, fingerprint: dict,
     race_trials = complete(by_step[(RACE, batch)]) if (RACE, batch) in by_step else []
     lines = [f"## batch {batch}", ""]
     if grid is not None and grid["workload"]["batch_size"] == batch:
-        lines += candidate_lines(landscape, options, grid)[1:] + [""]
+        lines += candidate_lines(landscape, options, grid)[1:]
+        lines += model_error_lines(landscape, grid) + [""]
     if not race_trials:
         return lines + ["No finished race to replay."]
     series = race_trials[-1].user_attrs["series"]

@@ -246,9 +246,12 @@ def test_replay_with_a_grid_lists_todays_candidates_beside_their_grid_runs(tmp_p
     root = Path(__file__).resolve().parents[1]
     journal = root / "tests" / "data" / "tune-h100-smollm2-8k-b64.journal"
     # A grid of the recorded tune's space (vllm target), vegas at 512 slots fastest.
+    def speedup(s, b, g):
+        return 2.0 + (s.drafter == "vegas") * 0.1 + (b == 512) * 0.05 - abs(g - 9) / 100
+
     rows = [{"drafter": s.drafter, "score": s.score if s.drafter == "vegas" else "logit",
-             "window": s.window, "budget": b, "gamma": g,
-             "speedup": 2.0 + (s.drafter == "vegas") * 0.1 + (b == 512) * 0.05 - abs(g - 9) / 100}
+             "window": s.window, "budget": b, "gamma": g, "speedup": speedup(s, b, g),
+             "tokens_per_second": 100.0 * speedup(s, b, g)}  # vanilla at 100 tokens/s
             for s in selections("vllm") for b in (128, 256, 512, 1024) for g in range(1, 13)]
     grid = tmp_path / "grid.json"
     grid.write_text(json.dumps({"workload": {"batch_size": 64}, "grid": {"rows": rows}}))
@@ -264,6 +267,12 @@ def test_replay_with_a_grid_lists_todays_candidates_beside_their_grid_runs(tmp_p
     assert "Grid's best: vegas weight window 0.0, 512 slots, gamma 9: 2.150x" in out
     below = float(out.split("the best candidate's run is ")[1].split("%")[0])
     assert 0.0 <= below < 5.0
+    # The cost model against every grid point it predicts, by rule and in all.
+    errors = out.split("against the grid's points it predicts:")[1].split("\n\n")[1]
+    rows = {line.split(" | ")[0][2:]: line for line in errors.splitlines()[2:]}
+    assert set(rows) == {"streaming", "vegas weight", "all"}
+    points = [int(rows[f].split(" | ")[1]) for f in ("streaming", "vegas weight", "all")]
+    assert points[0] + points[1] == points[2] > 0
 
 
 def _recall_means(spec):
