@@ -208,7 +208,7 @@ def vanilla_logits(model, prompt: list[int], generated: list[int]) -> torch.Tens
     rows = [net.logits(prefill(model, [prompt], kv))]  # [1, V]
     tokens = torch.tensor([generated[:-1]], dtype=torch.long, device=dev)
     # In blocks a sliding layer's ring holds (vegas_core.cache).
-    block = kv.ring_slots - kv.window + 1 if kv.ring_slots is not None else max(1, length - 1)
+    block = kv.forward_rows or max(1, length - 1)
     for lo in range(0, length - 1, block):
         hi = min(length - 1, lo + block)
         meta = AttentionMeta.prefill(1, n + lo, n + hi, dev, model.config.window)

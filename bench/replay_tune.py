@@ -61,10 +61,15 @@ def complete(study) -> list:
     return study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
 
 
+def grid_rows(grid: dict) -> dict[tuple, dict]:
+    """A grid file's measured points by (drafter, score, window, budget, gamma)."""
+    return {(r["drafter"], r["score"], r["window"], r["budget"], r["gamma"]): r
+            for r in grid["grid"]["rows"] if r.get("out_of_memory") is None}
+
+
 def candidate_lines(landscape: Landscape, options: TuneOptions, grid: dict) -> list[str]:
     """Today's race candidates beside their one run in ``grid`` (a grid file's data)."""
-    rows = {(r["drafter"], r["score"], r["window"], r["budget"], r["gamma"]): r
-            for r in grid["grid"]["rows"] if r.get("out_of_memory") is None}
+    rows = grid_rows(grid)
     best = max(rows.values(), key=lambda r: r["speedup"])
     lines = ["", f"Today's race candidates (--candidates {options.candidates}) in the grid "
                  f"(batch {grid['workload']['batch_size']}, one run per point):", "",
@@ -91,18 +96,15 @@ def model_error_lines(landscape: Landscape, grid: dict) -> list[str]:
     """The cost model against every point of ``grid`` it predicts (its pairs, gammas up
     to each curve's top): per drafter and score, how far its predictions lie from the
     points' one run each."""
+    rows = grid_rows(grid)
     errors: dict[str, list[float]] = {}
-    for r in grid["grid"]["rows"]:
-        if r.get("out_of_memory") is not None:
-            continue
-        for point in landscape.points():
-            spec = landscape.search.spec(point)
-            if (spec.drafter, spec.score, spec.window, point.budget, point.gamma) == (
-                    r["drafter"], r["score"], r["window"], r["budget"], r["gamma"]):
-                family = spec.drafter + ("" if spec.drafter == "streaming" else f" {spec.score}")
-                errors.setdefault(family, []).append(
-                    landscape.predict(point) / r["tokens_per_second"] - 1)
-                break
+    for point in landscape.points():
+        spec = landscape.search.spec(point)
+        row = rows.get((spec.drafter, spec.score, spec.window, point.budget, point.gamma))
+        if row is not None:
+            family = spec.drafter + ("" if spec.drafter == "streaming" else f" {spec.score}")
+            errors.setdefault(family, []).append(
+                landscape.predict(point) / row["tokens_per_second"] - 1)
     lines = ["", "The cost model (this tune's runs) against the grid's points it predicts:", "",
              "| rules | points | median error | largest under | largest over | within "
              f"{MODEL_TOLERANCE:.0%} |", "|---|---|---|---|---|---|"]

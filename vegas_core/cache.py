@@ -185,6 +185,12 @@ class KVCache:
     def max_len(self) -> int:
         return self._max_len
 
+    @property
+    def forward_rows(self) -> int | None:
+        """The most positions of a sequence one forward may write: what a ring holds
+        beside the window before them (None: no limit, no rings)."""
+        return None if self.ring_slots is None else self.ring_slots - self.window + 1
+
     def ring_of(self, layer: int) -> int | None:
         """The slots of ``layer``'s ring, or None where it keeps full length."""
         return self.ring_slots if self._home[layer][0] else None

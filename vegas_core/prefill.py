@@ -237,10 +237,10 @@ def prefill(model, prompt_ids: list[list[int]], cache: KVCache, *,
     window = model.config.window
     rows_per_chunk, tokens_per_forward = prefill_budget(model)
     rows_per_chunk = chunk or rows_per_chunk
-    if cache.ring_slots is not None:
+    if cache.forward_rows is not None:
         # A ring holds the window before a chunk and the chunk: chunks of at most its
         # headroom, the same tokens per forward (more sequences together).
-        rows_per_chunk = min(rows_per_chunk, cache.ring_slots - cache.window + 1)
+        rows_per_chunk = min(rows_per_chunk, cache.forward_rows)
     last_hidden = torch.zeros(len(prompt_ids), model.config.hidden_size, dtype=model.dtype,
                               device=dev)
     starts, hidden_known = [], [False] * len(prompt_ids)
