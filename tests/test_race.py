@@ -7,9 +7,11 @@ import math
 import random
 from types import SimpleNamespace
 
+import pytest
+
 from vegas_tune.options import TuneOptions
 from vegas_tune.space import Point, selections
-from vegas_tune.steps import MIN_ROUNDS, Landscape, Search, Steps, race_verdict
+from vegas_tune.steps import MIN_ROUNDS, Landscape, Search, Steps, cost_family, race_verdict
 
 
 def rounds(mean: float, n: int, noise: float, seed: int, drift: list[float]) -> list[float]:
@@ -83,9 +85,10 @@ def test_the_race_takes_the_best_pairs_each_at_its_best_gamma_and_either_side():
     rates = {(vegas, 256): 0.9, (vegas, 128): 0.85, (streaming, 256): 0.8, (streaming, 128): 0.6}
     trials = [_sweep_trial(Point(s, b, probe), prefix, [r ** i for i in range(1, probe + 1)],
                            0.010, batch) for (s, b), r in rates.items()]
-    short = search.short_probe
-    trials.append(_sweep_trial(short, prefix, [rates[short.curve] ** i
-                                               for i in range(1, short.gamma + 1)], 0.007, batch))
+    for short in search.short_probes:
+        trials.append(_sweep_trial(short, prefix, [rates[short.curve] ** i
+                                                   for i in range(1, short.gamma + 1)],
+                                   0.007, batch))
     landscape = Landscape(trials, batch, search)
     bests = landscape.curve_bests()
     assert [p.curve for p in bests] == [(vegas, 256), (vegas, 128), (streaming, 256),
@@ -101,3 +104,36 @@ def test_the_race_takes_the_best_pairs_each_at_its_best_gamma_and_either_side():
     assert chosen[6:] == around(bests[2]) + around(bests[3])
     steps = SimpleNamespace(options=TuneOptions(candidates=1))
     assert Steps.candidates(steps, landscape) == chosen  # vegas's second pair comes in too
+
+
+def test_each_cost_family_has_its_own_short_probe_and_per_token_extra():
+    """A drafted token's cost beyond its draft forward differs by drafter and score (the
+    weight rules' verify does more per row): each family's curves take its own probe's
+    figure; a family whose probe is missing takes the mean of those measured."""
+    batch, prefix, probe = 4, 1000, 8
+    search = Search(batch, selections("vegas"), (128, 256), probe, prefix, 63, 900)
+    shorts = search.short_probes
+    assert len(shorts) == len({cost_family(s) for s in search.selections}) == 3
+    assert all(p.gamma == probe // 2 and p.budget == 256 for p in shorts)
+    # Iterations of 10 ms at gamma 8, draft forwards of 1 ms: a short probe at 6, 4 or 2 ms
+    # says a drafted token costs 0, 0.5 or 1 ms beyond its draft forward.
+    short_seconds = dict(zip(sorted(shorts, key=lambda p: p.selection.words()),
+                             (0.006, 0.004, 0.002)))
+    trials = [_sweep_trial(Point(s, b, probe), prefix, [0.5] * probe, 0.010, batch)
+              for s in search.selections for b in search.budgets]
+    probes = [_sweep_trial(p, prefix, [0.5] * p.gamma, seconds, batch)
+              for p, seconds in short_seconds.items()]
+    landscape = Landscape(trials + probes, batch, search)
+    for p, seconds in short_seconds.items():
+        extra = (0.010 - seconds) / (probe - p.gamma) - 0.001
+        assert landscape.extra_for(p.selection) == pytest.approx(extra)
+        for s in search.selections:  # every window of the family: one figure
+            if cost_family(s) == cost_family(p.selection):
+                curve = landscape.curves[(s, 128)]
+                assert curve.iteration_seconds(6) == pytest.approx(0.010 - 2 * (0.001 + extra))
+    missing = max(short_seconds, key=short_seconds.get)
+    partial = Landscape(trials + [t for t, p in zip(probes, short_seconds) if p != missing],
+                        batch, search)
+    others = [p for p in short_seconds if p != missing]
+    assert partial.extra_for(missing.selection) == pytest.approx(
+        sum(landscape.extra_for(p.selection) for p in others) / 2)

@@ -59,8 +59,9 @@ def test_tune_writes_a_valid_profile_and_its_files(tuned_profile, capsys):
     names = [s["name"] for s in profile["steps"]]
     assert names[0] == "sweep" and names[-1] == "race"
     assert names[1:-1] in ([], ["extend"], ["focus"], ["extend", "focus"])
-    # The sweep: vanilla, both fork selections at both budgets, and the short probe.
-    assert profile["steps"][0]["trials"] == 1 + 2 * 2 + 1
+    # The sweep: vanilla, both fork selections at both budgets, and a short probe of each
+    # (their drafted tokens cost differently).
+    assert profile["steps"][0]["trials"] == 1 + 2 * 2 + 2
     race = profile["steps"][-1]
     raced = [p for p in race["predictions"] if p["measured_tokens_per_second"] is not None]
     # The two best (selection, budget) pairs and each drafter's two best, each at its
@@ -130,7 +131,7 @@ def test_killed_run_resumes_without_repeating_finished_trials(tmp_path):
     # Enough sweep points that the step is still running when the kill lands, however
     # slowly this process polls the storage on a loaded machine.
     budgets = "32,48,64,96,128,160,192,256,320,384"
-    points = 1 + 2 * len(budgets.split(",")) + 1  # vanilla, 2 selections, the short probe
+    points = 1 + 2 * len(budgets.split(",")) + 2  # vanilla, 2 selections, 2 short probes
     argv = [sys.executable, "-m", "vegas_tune.cli", *FAST, "--budgets", budgets, "--ctx", "2k",
             "--num-prompts", "3", "--out", str(out), "--storage", storage,
             "--study-name", "kill"]
@@ -212,7 +213,7 @@ def test_ctrl_c_while_a_finished_trial_is_being_written_stops_at_the_next_one(
     assert len(interrupted) == 2 and "internal error" not in err
     assert len(completed_trials(str(tmp_path / "s.journal"), "int:sweep@1")) == 2
     profile = yaml.safe_load((tmp_path / "p.yaml").read_text())
-    assert any("sweep at batch 1: 2 of 6 trials finished when Ctrl-C" in line
+    assert any("sweep at batch 1: 2 of 7 trials finished when Ctrl-C" in line
                for line in profile["cut_short"])
     # One run beside one vanilla run has no interval: the profile runs vanilla.
     assert profile["schedule"][0]["config"] == "vanilla"

@@ -63,8 +63,8 @@ def assert_measured_once(url: str) -> dict[str, list]:
         assert claims and max(claims.values()) == 1, (name, claims)
         assert not any(t.state in (TrialState.RUNNING, TrialState.WAITING) for t in trials)
     swept = [t for t in found["shared:sweep@1"] if t.state == TrialState.COMPLETE]
-    # vanilla, two selections x the budgets, the short probe
-    assert len(swept) == 1 + 2 * len(BUDGETS.split(",")) + 1
+    # vanilla, two selections x the budgets, a short probe of each
+    assert len(swept) == 1 + 2 * len(BUDGETS.split(",")) + 2
     assert len([t for t in found["shared:race@1"] if t.state == TrialState.COMPLETE]) == 1
     return found
 

@@ -16,8 +16,8 @@ the probe gamma G, at the batch size being tuned. Each run gives
 
 An iteration at gamma g drafts G - g tokens fewer, each a draft forward plus what a
 drafted token costs beyond it (a verify row, launches, host work between steps): ``extra``,
-measured once per batch size from one configuration at two gammas (the sweep's short
-probe). So
+measured per batch size and per drafter and score (a weight rule's verify does more per
+row) from one configuration at two gammas (the sweep's short probes). So
 
     T(g) = T(G) - (G - g) * (d + extra)
 

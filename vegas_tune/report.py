@@ -761,7 +761,7 @@ def _cost_model(steps: list[dict]) -> str:
     lines = ["## Cost model", "",
              "At each batch size the cost model predicts tokens/s for every configuration "
              "and gamma from the sweep's runs (acceptance by draft position and step times at "
-             "the probe gamma) and a short probe's cost per drafted token "
+             "the probe gamma) and short probes' cost per drafted token "
              f"(vegas_tune.costmodel); the race then measures the best predicted. Over "
              f"{len(points)} raced points the prediction error ranges "
              f"from {_signed_percent(min(e for *_, e in points))} to "

@@ -1,7 +1,8 @@
 """The tuning steps at one batch size: ``sweep``, ``extend``, ``focus`` and ``race``.
 
 1. ``sweep``: vanilla once, then every (selection, budget) of the search once at the
-   probe gamma, and one of them again at half the probe gamma (the short probe). Each run
+   probe gamma, and one of each cost family (drafter and score) again at half the probe
+   gamma (the short probes). Each run
    gives acceptance at every draft position and the step times, at this batch size.
 2. ``extend``: the cost model (``vegas_tune.costmodel``) predicts tokens/s for every
    (selection, budget, gamma). Where a drafter's best prediction lies on the edge of an
@@ -182,17 +183,32 @@ class Search:
         return point.spec(self.longest_prefix)
 
     @property
-    def short_probe(self) -> Point | None:
-        """One configuration again at half the probe gamma: the cost of a drafted token
-        beyond its draft forward (``costmodel.per_token_extra``)."""
+    def short_probes(self) -> list[Point]:
+        """One configuration of each cost family (``cost_family``) again at half the probe
+        gamma: what a drafted token costs beyond its draft forward
+        (``costmodel.per_token_extra``). Families differ in it: on Gemma3 32k at batch 128
+        (H100) a drafted token cost vegas's weight rules 1.0 ms beyond its draft forward
+        where the one probe, a logit rule, gave 0.53 ms, and the weight rules' predictions
+        fell up to 23% short."""
         gamma = self.probe_gamma // 2
-        if gamma < 1 or gamma == self.probe_gamma:
-            return None
-        return Point(self.selections[0], self.budgets[len(self.budgets) // 2], gamma)
+        if gamma < 1:
+            return []
+        middle = self.budgets[len(self.budgets) // 2]
+        firsts = {}
+        for selection in self.selections:
+            firsts.setdefault(cost_family(selection), selection)
+        return [Point(s, middle, gamma) for s in firsts.values()]
 
     def sweep_points(self) -> list[Point]:
         points = [Point(s, b, self.probe_gamma) for s in self.selections for b in self.budgets]
-        return points + ([self.short_probe] if self.short_probe else [])
+        return points + self.short_probes
+
+
+def cost_family(selection: Selection) -> tuple[str, str, str]:
+    """Selections whose drafted tokens cost the same beyond their draft forward: one
+    drafter, score and rule (the window moves which slots are read, not how many)."""
+    score = selection.score if selection.drafter == "vegas" else ""
+    return selection.drafter, score, selection.rule
 
 
 class Landscape:
@@ -208,13 +224,23 @@ class Landscape:
                 continue
             point = Point.of(spec_of(t))
             runs.setdefault(point.curve, []).append(_run_of(t.user_attrs, point.gamma, batch))
-        short = search.short_probe
-        pair = runs.get(short.curve, []) if short else []
-        by_gamma = {r.gamma: r for r in pair}
-        self.extra = (per_token_extra(by_gamma[search.probe_gamma], by_gamma[short.gamma])
-                      if short and {search.probe_gamma, short.gamma} <= set(by_gamma) else 0.0)
+        self.extras = {}  # cost family -> per_token_extra, from its short probe
+        for short in search.short_probes:
+            by_gamma = {r.gamma: r for r in runs.get(short.curve, [])}
+            if {search.probe_gamma, short.gamma} <= set(by_gamma):
+                self.extras[cost_family(short.selection)] = per_token_extra(
+                    by_gamma[search.probe_gamma], by_gamma[short.gamma])
         floor = self.vanilla["decode_step_seconds"] if self.vanilla else 0.0
-        self.curves = {key: Curve(r, self.extra, floor) for key, r in runs.items()}
+        self.curves = {key: Curve(r, self.extra_for(key[0]), floor) for key, r in runs.items()}
+
+    def extra_for(self, selection: Selection) -> float:
+        """The per-token extra of ``selection``'s cost family; a family without its probe
+        (a run cut short; a storage from a tuner that probed one family) takes the mean of
+        those measured, none measured 0."""
+        found = self.extras.get(cost_family(selection))
+        if found is not None:
+            return found
+        return sum(self.extras.values()) / len(self.extras) if self.extras else 0.0
 
     def predict(self, point: Point) -> float:
         return self.curves[point.curve].tokens_per_second(point.gamma, self.batch)
@@ -315,8 +341,8 @@ class Steps:
         best = landscape.best()
         notes = (f"{len(search.selections)} selection(s) x budgets "
                  f"{', '.join(map(str, search.budgets))} at gamma {search.probe_gamma}, "
-                 f"vanilla, and a short probe at gamma "
-                 f"{search.short_probe.gamma if search.short_probe else '-'}; best predicted: "
+                 f"vanilla, and {len(search.short_probes)} short probe(s) at gamma "
+                 f"{search.probe_gamma // 2 if search.short_probes else '-'}; best predicted: "
                  + (f"{best.words()} ({landscape.predict(best):.1f} tok/s)" if best else "none"))
         chosen = _point_fields(best, search) if best else {}
         return landscape, StepResult(SWEEP, self.studies.name(SWEEP, search.batch),
