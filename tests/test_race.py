@@ -11,7 +11,8 @@ import pytest
 
 from vegas_tune.options import TuneOptions
 from vegas_tune.space import Point, selections
-from vegas_tune.steps import MIN_ROUNDS, Landscape, Search, Steps, cost_family, race_verdict
+from vegas_tune.steps import (EDGE_MARGIN, MIN_ROUNDS, Landscape, Search, Steps, cost_family,
+                              race_verdict)
 
 
 def rounds(mean: float, n: int, noise: float, seed: int, drift: list[float]) -> list[float]:
@@ -137,3 +138,30 @@ def test_each_cost_family_has_its_own_short_probe_and_per_token_extra():
     others = [p for p in short_seconds if p != missing]
     assert partial.extra_for(missing.selection) == pytest.approx(
         sum(landscape.extra_for(p.selection) for p in others) / 2)
+
+
+def test_a_budget_edge_near_a_drafters_best_is_extended_and_a_far_one_is_not():
+    """The sweep ranks pairs by one run each: an edge pair predicted within ``EDGE_MARGIN``
+    of its drafter's best may be the best once measured at its own gamma, so the budget axis
+    goes one step past it; an edge far below the best is left alone."""
+    batch, prefix, probe = 4, 1000, 8
+    search = Search(batch, selections("vllm"), (128, 256, 512), probe, prefix, 63, 4000)
+    vegas, streaming = search.selections
+    rates = {(vegas, 128): 0.5, (vegas, 256): 0.9, (vegas, 512): 0.895,
+             (streaming, 128): 0.61, (streaming, 256): 0.62, (streaming, 512): 0.3}
+    trials = [_sweep_trial(Point(s, b, probe), prefix, [r ** i for i in range(1, probe + 1)],
+                           0.010, batch) for (s, b), r in rates.items()]
+    landscape = Landscape(trials, batch, search)
+    for drafter in ("vegas", "streaming"):
+        assert landscape.best(drafter).budget == 256  # each drafter's best: a middle budget
+    edges = {(vegas, 512), (streaming, 128)}
+    best = {s: landscape.predict(landscape.best(s.drafter)) for s in (vegas, streaming)}
+    for (s, b) in rates:
+        near = landscape.predict(landscape.best(s.drafter, budget=b)) >= (1 - EDGE_MARGIN) * best[s]
+        assert near == ((s, b) in edges or b == 256)
+    points, words = Steps.extension(None, landscape, search)
+    budgets = {(p.selection, p.budget) for p in points if p.budget not in search.budgets}
+    assert budgets == {(vegas, 1024), (streaming, 64)}
+    assert all(p.gamma == probe for p in points if p.budget not in search.budgets)
+    assert f"budget up to 1024 slots for {vegas.words()}" in words
+    assert f"budget down to 64 slots for {streaming.words()}" in words
