@@ -6,6 +6,7 @@ A tune's storage (an optuna journal) keeps every sweep, extend and focus run
 For each batch size this rebuilds the cost model (``steps.Landscape``) from those runs as
 the code of today builds it, and prints
 
+- what today's extend rule would try from the recorded sweep, beside what was extended;
 - each raced configuration's prediction against what the race measured for it;
 - ``steps.race_verdict`` replayed round by round on the recorded race: the round at
   which today's rule decides, the measurements it would have spent, and its pick,
@@ -118,6 +119,18 @@ def model_error_lines(landscape: Landscape, grid: dict) -> list[str]:
     return lines
 
 
+def extend_lines(batch: int, by_step: dict, search: Search) -> list[str]:
+    """What today's extend rule would try from the recorded sweep, beside what the recorded
+    tune's extend step measured."""
+    def recorded(step: str) -> list:
+        return complete(by_step[(step, batch)]) if (step, batch) in by_step else []
+
+    _, today = Steps.extension(None, Landscape(recorded(SWEEP), batch, search), search)
+    measured = [Point.of(spec_of(t)).words() for t in recorded(EXTEND)]
+    return [f"Extend, today's rule from the recorded sweep: {'; '.join(today) or 'nothing'}.",
+            f"Extend, recorded: {'; '.join(measured) or 'nothing'}.", ""]
+
+
 def replay_size(batch: int, by_step: dict, fingerprint: dict,
                 grid: dict | None = None) -> list[str]:
     ctx, new = fingerprint["ctx"], fingerprint["max_new_tokens"]
@@ -131,7 +144,7 @@ def replay_size(batch: int, by_step: dict, fingerprint: dict,
                     min(options.probe_gamma, limit), longest_prefix(ctx, new), limit, ctx)
     landscape = Landscape(runs, batch, search)
     race_trials = complete(by_step[(RACE, batch)]) if (RACE, batch) in by_step else []
-    lines = [f"## batch {batch}", ""]
+    lines = [f"## batch {batch}", "", *extend_lines(batch, by_step, search)]
     if grid is not None and grid["workload"]["batch_size"] == batch:
         lines += candidate_lines(landscape, options, grid)[1:]
         lines += model_error_lines(landscape, grid) + [""]
@@ -146,7 +159,8 @@ def replay_size(batch: int, by_step: dict, fingerprint: dict,
         s = series[name]
         point = Point.of(_spec(s))
         predicted = landscape.predict(point) if point.curve in landscape.curves else None
-        error = "n/a" if predicted is None else f"{100 * (predicted / s['tokens_per_second'] - 1):+.1f}%"
+        error = ("n/a" if predicted is None
+                 else f"{100 * (predicted / s['tokens_per_second'] - 1):+.1f}%")
         lines.append(f"| {point.words()} | "
                      f"{'n/a' if predicted is None else f'{predicted:.1f}'} | "
                      f"{s['tokens_per_second']:.1f} | {error} | {s['rounds']} |")

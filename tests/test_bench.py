@@ -212,9 +212,10 @@ def test_the_gemv_bench_times_every_weight_of_a_layer_and_the_lm_head():
 
 
 def test_a_recorded_tune_replays_through_todays_cost_model_and_race_rule():
-    """The committed H100 tune (SmolLM2 8k, batch 64): every raced configuration gets a
-    prediction from the recorded sweep, and today's race rule, replayed on the recorded
-    rounds, decides within them and picks what the recorded race picked."""
+    """The committed H100 tune (SmolLM2 8k, batch 64): today's extend rule from the
+    recorded sweep beside what it extended, every raced configuration gets a prediction
+    from the recorded sweep, and today's race rule, replayed on the recorded rounds,
+    decides within them and picks what the recorded race picked."""
     import subprocess
     import sys
     from pathlib import Path
@@ -227,6 +228,11 @@ def test_a_recorded_tune_replays_through_todays_cost_model_and_race_rule():
             line.startswith("| streaming")]
     assert len(rows) == 5 and all("n/a" not in row for row in rows)
     assert "race candidates" not in out  # only with --grid
+    # This tune extended nothing: its best pairs lay inside the budget axis. Today's rule
+    # also extends an edge predicted within 10% of a drafter's best.
+    assert "Extend, recorded: nothing." in out
+    today = out.split("Extend, today's rule from the recorded sweep: ")[1].split("\n")[0]
+    assert "budget up to 2048 slots for streaming" in today
     assert "decided after round" in out
     recorded = out.split("Recorded race: ")[1].split("pick ")[1].split(" ")[0]
     today = out.split("Today's rule")[1].split("pick ")[1].split(" ")[0]
