@@ -125,7 +125,7 @@ def extend_lines(batch: int, by_step: dict, search: Search) -> list[str]:
     def recorded(step: str) -> list:
         return complete(by_step[(step, batch)]) if (step, batch) in by_step else []
 
-    _, today = Steps.extension(None, Landscape(recorded(SWEEP), batch, search), search)
+    _, today = Steps.extension(Landscape(recorded(SWEEP), batch, search), search)
     measured = [Point.of(spec_of(t)).words() for t in recorded(EXTEND)]
     return [f"Extend, today's rule from the recorded sweep: {'; '.join(today) or 'nothing'}.",
             f"Extend, recorded: {'; '.join(measured) or 'nothing'}.", ""]

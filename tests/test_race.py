@@ -159,7 +159,7 @@ def test_a_budget_edge_near_a_drafters_best_is_extended_and_a_far_one_is_not():
     for (s, b) in rates:
         near = landscape.predict(landscape.best(s.drafter, budget=b)) >= (1 - EDGE_MARGIN) * best[s]
         assert near == ((s, b) in edges or b == 256)
-    points, words = Steps.extension(None, landscape, search)
+    points, words = Steps.extension(landscape, search)
     budgets = {(p.selection, p.budget) for p in points if p.budget not in search.budgets}
     assert budgets == {(vegas, 1024), (streaming, 64)}
     assert all(p.gamma == probe for p in points if p.budget not in search.budgets)

@@ -360,7 +360,8 @@ class Steps:
 
     # ---- 2. extend --------------------------------------------------------------------
 
-    def extension(self, landscape: Landscape, search: Search) -> tuple[list[Point], list[str]]:
+    @staticmethod
+    def extension(landscape: Landscape, search: Search) -> tuple[list[Point], list[str]]:
         """Points that extend an axis near each drafter's best prediction, and what each
         extends, in words: the budget axis past an edge whose best pair is predicted within
         ``EDGE_MARGIN`` of the drafter's best, and gamma past the best's top gamma."""
