@@ -11,11 +11,11 @@ Writes a Markdown table (with the hardware and the command) and the raw rows as 
     python bench/acceptance.py --ctx 4096 --gamma 6 --sparsity 0.05 --out runs/acceptance-cpu
 
 Long generations (``--spans K``): short prompts (``--ctx 256 --datasets writing``) and
-``--max-new-tokens`` G in the thousands. Vanilla decodes each prompt's whole generation
-(the reference); each drafter then decodes K spans from contexts that hold the prompt and
-the reference's first tokens, one row per span (``vegas_tune.spans``: ``--span-tokens``
-each, centred on K equal strata of the generation, counted after ``--span-warmup``
-iterations).
+``--max-new-tokens`` G in the thousands. Vanilla decodes every prompt of a group in one
+batch to the deepest span's end (the reference); each drafter then decodes K spans from
+contexts that hold the prompt and the reference's first tokens, one row per span
+(``vegas_tune.spans``: ``--span-tokens`` each, centred on K equal strata of the
+generation, counted after ``--span-warmup`` iterations).
 The mean accepted length is over the spans' counted iterations, and a row matches
 vanilla when every span's output equals the reference at its positions. ``--full`` also
 decodes every token of the generation with each drafter and reports its mean accepted
@@ -48,7 +48,7 @@ from vegas_core.spec_config import (DRAFTERS, FORK_RULE_DRAFTERS, RULES, SCORES,
 from vegas_tune.datasets import embedded_prompts  # noqa: E402
 from bench.bench_args import add_model_args, add_output_args, add_span_args  # noqa: E402
 from bench.spec_options import parse_config  # noqa: E402
-from vegas_tune.spans import SpanLayout, span_rows  # noqa: E402
+from vegas_tune.spans import SpanLayout, reference_continuations, span_rows  # noqa: E402
 
 
 def hardware() -> str:
@@ -118,6 +118,20 @@ def decode(model, prompt, vanilla: list[int], spec: SpecConfig, layout: SpanLayo
     return result.stats, exact
 
 
+def vanilla_outputs(model, prompts, layout: SpanLayout | None, args) -> list[list[int]]:
+    """Each prompt's vanilla greedy output: decoded alone when every drafter decodes it
+    whole, at batch 1 like them; for spans, every prompt of the group in one batch, as
+    far as the deepest span's end (or the whole generation with ``--full``): thousands
+    of tokens one prompt at a time would cost more than all the drafters' spans."""
+    if layout is None:
+        return [generate(model, [p.ids], args.max_new_tokens, ignore_eos=True).tokens[0]
+                for p in prompts]
+    tokens = (args.max_new_tokens if args.full
+              else layout.starts()[-1] + layout.max_new_tokens)
+    return reference_continuations(model, [p.ids for p in prompts], tokens,
+                                   batch_size=len(prompts))
+
+
 def run(args, out: Path) -> list[dict]:
     layout = span_layout(args)
     model = load_model(args.model, device=args.device, dtype=args.dtype)
@@ -126,25 +140,27 @@ def run(args, out: Path) -> list[dict]:
         raise VegasError(f"--ctx {max(args.ctx)} + --max-new-tokens {args.max_new_tokens} "
                          f"exceeds {args.model}'s {limit} positions; lower one of them")
     rows: list[dict] = []
-    for dataset in args.datasets:
-        for ctx in args.ctx:
+    # Context outermost: a run cut short has every dataset at the contexts it reached.
+    for ctx in args.ctx:
+        for dataset in args.datasets:
             prompts = embedded_prompts(model.tokenizer, dataset, ctx, args.num_prompts)
-            for prompt in prompts:
-                t = time.perf_counter()
-                vanilla = generate(model, [prompt.ids], args.max_new_tokens, ignore_eos=True)
-                print(f"[{dataset} ctx={ctx} {prompt.name}] vanilla {time.perf_counter() - t:.1f}s",
-                      file=sys.stderr, flush=True)
+            t = time.perf_counter()
+            references = vanilla_outputs(model, prompts, layout, args)
+            print(f"[{dataset} ctx={ctx}] vanilla {time.perf_counter() - t:.1f}s",
+                  file=sys.stderr, flush=True)
+            for prompt, vanilla in zip(prompts, references, strict=True):
+                print(f"[{dataset} ctx={ctx} {prompt.name}]", file=sys.stderr, flush=True)
                 for sparsity in args.sparsity:
                     for label, drafter, options in configurations(args.drafters, args.scores,
                                                                   args.rules, args.extra):
                         spec = SpecConfig(drafter=drafter, gamma=args.gamma, sparsity=sparsity,
                                           min_tokens=args.min_tokens, **options)
-                        s, exact = decode(model, prompt, vanilla.tokens[0], spec, layout,
+                        s, exact = decode(model, prompt, vanilla, spec, layout,
                                           args.max_new_tokens)
                         full = None
                         if layout is not None and args.full:
-                            full, full_exact = decode(model, prompt, vanilla.tokens[0], spec,
-                                                      None, args.max_new_tokens)
+                            full, full_exact = decode(model, prompt, vanilla, spec, None,
+                                                      args.max_new_tokens)
                             exact = exact and full_exact
                         rows.append(dict(
                             dataset=dataset, prompt=prompt.name, ctx=ctx, drafter=label,
