@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from vegas_tune.options import TuneOptions  # noqa: E402
 from vegas_tune.space import Point, longest_prefix, selections  # noqa: E402
 from vegas_tune.steps import (EXTEND, FOCUS, RACE, SWEEP, VANILLA, Landscape,  # noqa: E402
-                              Search, Steps, race_verdict, spec_of)
+                              Search, Steps, race_verdict, spec_of, spec_of_series)
 from vegas_tune.studies import open_storage  # noqa: E402
 from vegas_tune.tuner import gamma_limit  # noqa: E402
 
@@ -157,7 +157,7 @@ def replay_size(batch: int, by_step: dict, fingerprint: dict,
     names = [n for n in series if n != VANILLA]
     for name in names:
         s = series[name]
-        point = Point.of(_spec(s))
+        point = Point.of(spec_of_series(s))
         predicted = landscape.predict(point) if point.curve in landscape.curves else None
         error = ("n/a" if predicted is None
                  else f"{100 * (predicted / s['tokens_per_second'] - 1):+.1f}%")
@@ -180,12 +180,12 @@ def replay_size(batch: int, by_step: dict, fingerprint: dict,
             break
     pick = live[0]
     lines += ["", f"Recorded race: {spent} measurements, pick {recorded_pick} "
-                  f"({Point.of(_spec(series[recorded_pick])).words()}).",
+                  f"({Point.of(spec_of_series(series[recorded_pick])).words()}).",
               f"Today's rule (precision {options.precision:g}): "
               + (f"decided after round {done}" if decided else
                  f"undecided at the recorded last round, {done}")
               + f", {measured} measurements, pick {pick} "
-                f"({Point.of(_spec(series[pick])).words()})."]
+                f"({Point.of(spec_of_series(series[pick])).words()})."]
     return lines
 
 
@@ -196,13 +196,6 @@ def recorded_selections(target: str, runs: list) -> list:
     if measured and all(spec.rule == "engine" for spec in measured):
         return [dataclasses.replace(s, rule="engine") for s in selections(target)]
     return selections(target)
-
-
-def _spec(series: dict):
-    from vegas_core import SpecConfig
-
-    # Series recorded before the fork's rule existed have no rule: this engine's.
-    return SpecConfig(**{k: series[k] for k in SpecConfig().to_dict() if k in series})
 
 
 def main() -> None:

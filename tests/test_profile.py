@@ -211,6 +211,28 @@ def test_write_then_load_round_trips(tmp_path):
     assert loaded.steps[2].predictions[2].measured_tokens_per_second is None
 
 
+def test_spread_is_written_only_where_a_configuration_uses_it(tmp_path):
+    """``spread`` (the vegas target's copy-run option) is a key of the configurations that
+    use it; a profile without it writes, and so reads, as it did before it existed."""
+    from vegas_core.schedule import SpecSchedule
+
+    path = tmp_path / "p.yaml"
+    write_profile(sample_profile(), path)
+    assert "spread" not in path.read_text()
+    data = sample_profile_dict()
+    data["tuned"]["spread"] = 8
+    profile = profile_from_dict(sync_headline(data))
+    write_profile(profile, path)
+    written = yaml.safe_load(path.read_text())
+    assert written["tuned"]["spread"] == 8 and written["schedule"][-1]["config"]["spread"] == 8
+    assert "spread" not in written["schedule"][0]["measured"]
+    assert load_profile(path) == profile and profile.tuned.spec().spread == 8
+    assert SpecSchedule.from_profile_data(written, "p.yaml").for_batch(64).spread == 8
+    assert engine_settings(profile.tuned)["spread"] == 8
+    assert "spread" not in engine_settings(sample_profile().tuned)
+    assert "spread 8 (fork: 0)" in vllm_note(profile.tuned, "vegas")
+
+
 def test_written_yaml_keeps_schema_order_and_block_style(tmp_path):
     path = tmp_path / "p.yaml"
     write_profile(sample_profile(), path)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from vegas_core.spec_config import SpecConfig, draft_budget
-from vegas_tune.space import (FORK_STREAMING_SELECTION, FORK_VEGAS, STREAMING, WINDOWS, Point,
-                              Selection, budget_ratio, fits_target, longest_prefix, selections)
+from vegas_tune.space import (FORK_STREAMING_SELECTION, FORK_VEGAS, SPREAD, STREAMING, WINDOWS,
+                              Point, Selection, budget_ratio, fits_target, longest_prefix,
+                              selections)
 
 
 def test_the_vllm_target_searches_what_the_fork_runs_and_the_vegas_target_everything():
@@ -14,12 +15,22 @@ def test_the_vllm_target_searches_what_the_fork_runs_and_the_vegas_target_everyt
     assert fork == [Selection("vegas", "weight", 0.0, "fork"), Selection("streaming", rule="fork")]
     assert fork[1] == FORK_STREAMING_SELECTION
     engine = selections("vegas")
-    assert len(engine) == 2 * len(WINDOWS) + 1 and STREAMING in engine
+    # Every score with every window, and with the spread and no window; and streaming.
+    assert len(engine) == 2 * len(WINDOWS) + 2 + 1 and STREAMING in engine
     assert {s.rule for s in engine} == {"engine"}
     assert {s.score for s in engine if s.drafter == "vegas"} == {"logit", "weight"}
+    spread = [s for s in engine if s.spread]
+    assert {(s.score, s.window, s.spread) for s in spread} == {("logit", 0.0, SPREAD),
+                                                               ("weight", 0.0, SPREAD)}
+    assert all(s.spread == 0 for s in fork)
     for selection in fork:
         spec = Point(selection, 256, 8).spec(9000)
         assert fits_target(spec, "vllm") is None and spec.rule == "fork"
+    for selection in spread:
+        spec = Point(selection, 256, 8).spec(9000)
+        assert spec.spread == SPREAD and Selection.of(spec) == selection
+        assert Point(selection, 256, 8).words() == (
+            f"vegas {selection.score}, spread {SPREAD}, 256 slots, gamma 8")
 
 
 @pytest.mark.parametrize("spec, why", [
@@ -28,6 +39,7 @@ def test_the_vllm_target_searches_what_the_fork_runs_and_the_vegas_target_everyt
     (SpecConfig(drafter="vegas", score="weight", granularity="kv_head", rule="fork"),
      "granularity"),
     (SpecConfig(drafter="vegas", score="weight"), "rule 'engine'"),
+    (SpecConfig(drafter="vegas", score="weight", rule="fork", spread=8), "spread 8"),
     (SpecConfig(drafter="streaming"), "rule 'engine'"),
     (SpecConfig(drafter="quest"), "runs only vegas and streaming"),
 ])

@@ -20,6 +20,7 @@ import yaml
 from vegas_tune import cli
 from vegas_tune.measure import Measurement
 from vegas_tune.tuner import Tuner
+from vegas_tune.space import SPREAD
 
 # Small enough for seconds per trial on the CPU, big enough to exercise every step.
 FAST = ["--model", "dummy:tiny", "--ctx", "512", "--num-prompts", "2", "--max-new-tokens", "12",
@@ -480,14 +481,23 @@ def test_the_vllm_target_measures_only_what_the_fork_runs(tmp_path, monkeypatch,
     measured = [spec for spec in measure.calls if spec is not None]
     assert measured and all(fits_target(spec, "vllm") is None for spec in measured)
     assert {spec.drafter for spec in measured} == {"vegas", "streaming"}
-    # The vegas target searches scores and windows too.
-    measure = noisy_measure(lambda spec: 1.4)
+    assert all(spec.spread == 0 for spec in measured)
+    # The vegas target searches scores, windows and the spread too; where the spread is
+    # fastest the profile runs it, and writes it, and the engine's settings carry it.
+    measure = noisy_measure(lambda spec: 1.8 if spec.spread else 1.4)
     monkeypatch.setattr("vegas_tune.measure.Measurer.measure", measure)
     code, _, err = run([*FAST, "--out", str(tmp_path / "q.yaml"), "--target", "vegas"], capsys)
     assert code == 0, err
-    assert {(s.score, s.window) for s in measure.calls if s is not None and s.drafter == "vegas"
-            } >= {("logit", 0.0), ("weight", 0.75)}
-    assert yaml.safe_load((tmp_path / "q.yaml").read_text())["target"] == "vegas"
+    vegas = [s for s in measure.calls if s is not None and s.drafter == "vegas"]
+    assert {(s.score, s.window, s.spread) for s in vegas} >= {
+        ("logit", 0.0, 0), ("weight", 0.75, 0), ("logit", 0.0, SPREAD), ("weight", 0.0, SPREAD)}
+    assert all(s.window == 0.0 for s in vegas if s.spread)
+    written = yaml.safe_load((tmp_path / "q.yaml").read_text())
+    assert written["target"] == "vegas" and written["tuned"]["spread"] == SPREAD
+    assert written["exports"]["vegas"]["spread"] == SPREAD
+    assert f"spread {SPREAD} (fork: 0)" in written["exports"]["vllm"]["note"]
+    code, _, err = run(["validate", str(tmp_path / "q.yaml")], capsys)
+    assert code == 0, err
 
 
 def csv_rows(path) -> list[dict]:

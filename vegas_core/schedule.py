@@ -21,10 +21,12 @@ VANILLA = "vanilla"
 # A profile's config mapping: SpecConfig's fields, with ``sparsity`` named ``sparsity_ratio``.
 _PROFILE_TO_SPEC = {"drafter": "drafter", "gamma": "gamma", "sparsity_ratio": "sparsity",
                     "min_tokens": "min_tokens", "collect": "collect", "score": "score",
-                    "granularity": "granularity", "window": "window", "rule": "rule"}
-# Keys older schemas lack: ``rule`` is then this engine's (what they measured).
-_OPTIONAL = ("rule",)
-_INTS = ("gamma", "min_tokens")
+                    "granularity": "granularity", "window": "window", "rule": "rule",
+                    "spread": "spread"}
+# Keys older schemas lack: ``rule`` is then this engine's (what they measured). ``spread``
+# is written only where set (0: the paper's rule).
+_OPTIONAL = ("rule", "spread")
+_INTS = ("gamma", "min_tokens", "spread")
 _FLOATS = ("sparsity_ratio", "window")
 
 

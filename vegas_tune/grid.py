@@ -211,14 +211,16 @@ def write_partial(path: Path, key: dict, result: GridResult) -> None:
 
 def _point_row(point: Point, spec: SpecConfig) -> dict:
     return {"drafter": spec.drafter, "score": spec.score, "window": spec.window,
-            "rule": spec.rule, "budget": point.budget, "gamma": point.gamma,
+            **({"spread": spec.spread} if spec.spread else {}), "rule": spec.rule,
+            "budget": point.budget, "gamma": point.gamma,
             "sparsity": spec.sparsity, "min_tokens": spec.min_tokens}
 
 
 def row_words(row: dict) -> str:
     """``vegas logit window 0.5, 2048 slots, gamma 6``; ``streaming, 1024 slots, gamma 5``."""
-    selection = (f"vegas {row['score']} window {row['window']}" if row["drafter"] == "vegas"
-                 else row["drafter"])
+    spread = f" spread {row['spread']}" if row.get("spread") else ""
+    selection = (f"vegas {row['score']} window {row['window']}{spread}"
+                 if row["drafter"] == "vegas" else row["drafter"])
     return f"{selection}, {row['budget']} slots, gamma {row['gamma']}"
 
 
@@ -226,7 +228,7 @@ def spec_of_row(row: dict) -> SpecConfig:
     # Rows written before the fork's rule existed ran this engine's.
     return SpecConfig(drafter=row["drafter"], gamma=row["gamma"], sparsity=row["sparsity"],
                       min_tokens=row["min_tokens"], score=row["score"], window=row["window"],
-                      rule=row.get("rule", "engine"))
+                      rule=row.get("rule", "engine"), spread=row.get("spread", 0))
 
 
 def compare(measurer: Measurer, configs: dict[str, SpecConfig], rounds: int,
@@ -268,15 +270,16 @@ def regret_words(ratio: dict) -> str:
 
 def grid_markdown(result: GridResult, title: str, lines: list[str]) -> str:
     """The grid as a Markdown table, fastest first, under ``title`` and ``lines``."""
-    table = ["| drafter | score | window | budget | gamma | tokens/s | speedup | accepted |",
-             "|---|---|---|---|---|---|---|---|"]
+    table = ["| drafter | score | window | spread | budget | gamma | tokens/s | speedup | "
+             "accepted |", "|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(result.measured, key=lambda r: -r["speedup"]) + result.out_of_memory_rows:
         vegas = r["drafter"] == "vegas"
         figures = ("out of memory | - | -" if r.get("out_of_memory") is not None else
                    f"{r['tokens_per_second']:.1f} | {r['speedup']:.3f}x | "
                    f"{r['mean_accepted_length']:.2f}")
         table.append(f"| {r['drafter']} | {r['score'] if vegas else '-'} | "
-                     f"{r['window'] if vegas else '-'} | {r['budget']} | {r['gamma']} | "
+                     f"{r['window'] if vegas else '-'} | {r.get('spread', 0) if vegas else '-'} | "
+                     f"{r['budget']} | {r['gamma']} | "
                      f"{figures} |")
     return "\n".join([f"# {title}", "", *lines, "", *table]) + "\n"
 

@@ -29,7 +29,8 @@ class TuneOptions:
     target: str = _option(
         "vllm", "Where the profile will run: vllm (the authors' vLLM fork: the vegas drafter "
                 "with softmax-weight scores and no window, or streaming, both under the "
-                "fork's selection rule) or vegas (this engine: every score and window).")
+                "fork's selection rule) or vegas (this engine: every score and window, and "
+                "spread 8).")
     budgets: tuple[int, ...] = _option(
         (128, 256, 512, 1024), "Draft budgets to search, in KV slots per layer and sequence, "
                                "comma-separated (an edge pick is extended once).")

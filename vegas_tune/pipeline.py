@@ -381,7 +381,8 @@ def tuned_settings(spec) -> dict:
     """A ``SpecConfig`` as the profile's ``Tuned`` mapping (``sparsity_ratio``)."""
     return dict(drafter=spec.drafter, gamma=spec.gamma, sparsity_ratio=spec.sparsity,
                 min_tokens=spec.min_tokens, collect=spec.collect, score=spec.score,
-                granularity=spec.granularity, window=spec.window, rule=spec.rule)
+                granularity=spec.granularity, window=spec.window, rule=spec.rule,
+                spread=spec.spread)
 
 
 def schedule_reason(spec, results: dict, wins: bool) -> str:

@@ -41,8 +41,8 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
 
 from vegas_core.errors import VegasError
 from vegas_core.yamlio import MAX_YAML_BYTES, read_yaml, read_yaml_file  # noqa: F401 (public here too)
-from vegas_core.spec_config import (COLLECT, DRAFTERS, GRANULARITIES, MAX_GAMMA, MAX_WINDOW,
-                                    RULES, SCORES, SpecConfig)
+from vegas_core.spec_config import (COLLECT, DRAFTERS, GRANULARITIES, MAX_GAMMA, MAX_SPREAD,
+                                    MAX_WINDOW, RULES, SCORES, SpecConfig)
 from vegas_core.schedule import VANILLA, SpecSchedule, check_schedule_grid  # VANILLA: public here too
 from vegas_tune.options import TARGETS
 from vegas_tune.serving import (VLLM_SPECULATIVE_KEY, VLLM_TARGET, engine_settings,
@@ -180,12 +180,17 @@ class Tuned(_Strict):
                           description="budget share reserved for sink and recent tokens")
     rule: Annotated[str, _one_of(RULES)] = Field(
         default="engine", description="this engine's selection rule, or the vLLM fork's")
+    # Written only where set (``profile_to_dict``): a profile without it reads as before.
+    spread: int = Field(default=0, ge=0, le=MAX_SPREAD,
+                        description="vegas: slots before each slot whose best score it "
+                                    "ranks with (0: the paper's rule)")
 
     def spec(self) -> SpecConfig:
         """The engine's configuration for these settings."""
         return SpecConfig(drafter=self.drafter, gamma=self.gamma, sparsity=self.sparsity_ratio,
                           min_tokens=self.min_tokens, collect=self.collect, score=self.score,
-                          granularity=self.granularity, window=self.window, rule=self.rule)
+                          granularity=self.granularity, window=self.window, rule=self.rule,
+                          spread=self.spread)
 
 
 class ModelInfo(_Strict):
@@ -388,6 +393,7 @@ class Prediction(_Strict):
     drafter: Annotated[str, _one_of(DRAFTERS)] | None = None
     score: Annotated[str, _one_of(SCORES)] | None = None
     window: float | None = Field(default=None, ge=0.0, le=MAX_WINDOW)
+    spread: int | None = Field(default=None, ge=0, le=MAX_SPREAD)
     budget: int | None = Field(default=None, ge=1, description="draft budget, KV slots")
     gamma: int = Field(ge=1, le=MAX_GAMMA)
     sparsity_ratio: float | None = Field(default=None, gt=0.0, le=1.0)
@@ -881,6 +887,13 @@ CONTEXT_ENTRY_KEYS = ("ctx_min", "ctx_max", "ctx")
 def profile_to_dict(profile: Profile) -> dict[str, Any]:
     """The profile as plain Python data (dicts, lists, scalars), keys in schema order."""
     data = profile.model_dump(mode="python")
+    # ``spread`` only where a configuration uses it.
+    configs = [data["tuned"], *(entry.get(key) for entry in data["schedule"]
+                                for key in ("config", "measured")),
+               *(p for step in data["steps"] for p in step["predictions"])]
+    for config in configs:
+        if isinstance(config, dict) and not config.get("spread"):
+            config.pop("spread", None)
     for key in (*SPAN_WORKLOAD_KEYS, "contexts"):
         if data["workload"].get(key) is None:
             data["workload"].pop(key, None)

@@ -20,7 +20,7 @@ from vegas_core.schedule import range_words
 
 # Columns that lead the trials table, in this order; any other keys follow.
 TRIAL_COLUMNS = ("step", "batch_size", "ctx", "number", "state", "config", "chosen", "drafter", "score",
-                 "window", "budget", "gamma", "sparsity", "min_tokens", "collect",
+                 "window", "spread", "budget", "gamma", "sparsity", "min_tokens", "collect",
                  "granularity", "mean_accepted_length", "tokens_per_second", "speedup")
 TABLE_FORMATS = (".csv", ".parquet")
 SWEEP_STEP = "sweep"
@@ -31,7 +31,7 @@ BEST_TRIALS_PER_STEP = 3
 # Trials are ranked by the first of these a step has: what it measured, else its proxy.
 TRIAL_RANKING = ("tokens_per_second", "mean_accepted_length")
 # Columns of the best-trials tables, shown when the step's trials have them.
-BEST_TRIAL_COLUMNS = ("number", "drafter", "score", "window", "budget", "gamma",
+BEST_TRIAL_COLUMNS = ("number", "drafter", "score", "window", "spread", "budget", "gamma",
                       "mean_accepted_length", "tokens_per_second")
 # A measured figure's confidence interval: in trial rows and step mappings as
 # ``<name>_low`` / ``<name>_high``, in the profile's results as ``<name>_interval``.
@@ -158,8 +158,9 @@ def _selection_words(row: dict) -> str:
     """``vegas weight, window 0.5`` / ``streaming``: a row's selection rule."""
     if row.get("drafter") != "vegas":
         return str(row.get("drafter"))
-    window = row.get("window")
-    return f"vegas {row.get('score')}" + (f", window {window:g}" if window else "")
+    window, spread = row.get("window"), row.get("spread")
+    return (f"vegas {row.get('score')}" + (f", window {window:g}" if window else "")
+            + (f", spread {spread}" if spread else ""))
 
 
 def _configuration_words(row: dict) -> str:
@@ -455,7 +456,7 @@ _CHANGE_FIELDS = (
     ("target", None), ("recommended", None),
     *((f"tuned.{k}", None) for k in ("drafter", "gamma", "sparsity_ratio", "min_tokens",
                                          "collect", "score", "granularity", "window",
-                                         "rule")),
+                                         "rule", "spread")),
     ("results.tokens_per_second", ".1f"), ("results.vanilla_tokens_per_second", ".1f"),
     ("results.streaming_tokens_per_second", ".1f"), ("results.speedup", ".2f"),
     ("results.speedup_over_streaming", ".2f"), ("results.mean_accepted_length", ".2f"),

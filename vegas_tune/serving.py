@@ -46,7 +46,7 @@ CONTEXT_ENTRY_LENGTH = 5
 # for every batch size (only gamma varies through the table). The drafter's options
 # count only between two configurations of one drafter.
 BUDGET_FIELDS = ("sparsity_ratio", "min_tokens")
-SELECTION_FIELDS = ("collect", "score", "granularity", "window", "rule")
+SELECTION_FIELDS = ("collect", "score", "granularity", "window", "rule", "spread")
 
 
 def vllm_batch_table(ranges: list[tuple[int, int, Tuned | None]], served: Tuned
@@ -204,6 +204,8 @@ def engine_settings(tuned: Tuned) -> dict[str, Any]:
         "granularity": tuned.granularity,
         "window": tuned.window,
         "rule": tuned.rule,
+        # Only where set: the settings of a configuration without it read as before.
+        **({"spread": tuned.spread} if tuned.spread else {}),
     }
 
 

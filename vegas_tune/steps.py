@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -107,9 +107,17 @@ def spec_of_claim(claim: str) -> SpecConfig | None:
 
 def spec_of(trial) -> SpecConfig:
     """The configuration a trial measured (stored as ``spec_<field>`` attributes)."""
-    fields = {k.removeprefix("spec_"): v for k, v in trial.user_attrs.items()
+    values = {k.removeprefix("spec_"): v for k, v in trial.user_attrs.items()
               if k.startswith("spec_")}
-    return SpecConfig(**fields)
+    return SpecConfig(**values)
+
+
+def spec_of_series(entry: dict) -> SpecConfig:
+    """The configuration of a race series entry, which holds its figures beside its
+    configuration's fields. Every field the entry has, not ``to_dict``'s keys: those leave
+    the options out at 0 and would drop a raced ``spread``. An entry recorded before the
+    fork's rule existed has no rule: this engine's, the default."""
+    return SpecConfig(**{f.name: entry[f.name] for f in fields(SpecConfig) if f.name in entry})
 
 
 def min_new_tokens(gamma: int, warmup_iterations: int = 0) -> int:
@@ -309,6 +317,7 @@ def _run_of(attrs: dict, gamma: int, batch: int) -> Run:
 def _point_fields(point: Point, search: Search) -> dict:
     spec = search.spec(point)
     return {"drafter": spec.drafter, "score": spec.score, "window": spec.window,
+            **({"spread": spec.spread} if spec.spread else {}),
             "budget": point.budget, "gamma": point.gamma, "sparsity_ratio": spec.sparsity}
 
 
@@ -513,8 +522,7 @@ class Steps:
         trial = [t for t in done if t.user_attrs.get("claim") == claim][-1]
         series, name = trial.user_attrs["series"], trial.user_attrs["chosen"]
         result = {"series": series, "chosen": name,
-                  "specs": {n: SpecConfig(**{k: s[k] for k in SpecConfig().to_dict() if k in s})
-                            for n, s in series.items() if n != VANILLA}}
+                  "specs": {n: spec_of_series(s) for n, s in series.items() if n != VANILLA}}
         return result, self._race_summary(result, landscape, points, search, study)
 
     def _race_summary(self, result: dict, landscape: Landscape, points: list[Point],
