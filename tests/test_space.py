@@ -26,9 +26,11 @@ def test_the_vllm_target_searches_what_the_fork_runs_and_the_vegas_target_everyt
     for selection in fork:
         spec = Point(selection, 256, 8).spec(9000)
         assert fits_target(spec, "vllm") is None and spec.rule == "fork"
+        assert spec.options_set() == {} and "spread" not in spec.to_dict()
     for selection in spread:
         spec = Point(selection, 256, 8).spec(9000)
         assert spec.spread == SPREAD and Selection.of(spec) == selection
+        assert spec.options_set() == {"spread": SPREAD} and "spread" in spec.to_dict()
         assert Point(selection, 256, 8).words() == (
             f"vegas {selection.score}, spread {SPREAD}, 256 slots, gamma 8")
 

@@ -184,3 +184,8 @@ class SpecConfig:
             if out[name] == 0:
                 del out[name]
         return out
+
+    def options_set(self) -> dict:
+        """Issue 41's options that are not 0, by name: what a record of this configuration
+        holds beside the fields every configuration has (``to_dict``'s rule)."""
+        return {name: getattr(self, name) for name in OPTIONAL_FIELDS if getattr(self, name)}

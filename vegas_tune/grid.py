@@ -211,9 +211,8 @@ def write_partial(path: Path, key: dict, result: GridResult) -> None:
 
 def _point_row(point: Point, spec: SpecConfig) -> dict:
     return {"drafter": spec.drafter, "score": spec.score, "window": spec.window,
-            **({"spread": spec.spread} if spec.spread else {}), "rule": spec.rule,
-            "budget": point.budget, "gamma": point.gamma,
-            "sparsity": spec.sparsity, "min_tokens": spec.min_tokens}
+            **spec.options_set(), "rule": spec.rule, "budget": point.budget,
+            "gamma": point.gamma, "sparsity": spec.sparsity, "min_tokens": spec.min_tokens}
 
 
 def row_words(row: dict) -> str:

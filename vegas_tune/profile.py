@@ -182,8 +182,9 @@ class Tuned(_Strict):
         default="engine", description="this engine's selection rule, or the vLLM fork's")
     # Written only where set (``profile_to_dict``): a profile without it reads as before.
     spread: int = Field(default=0, ge=0, le=MAX_SPREAD,
-                        description="vegas: slots before each slot whose best score it "
-                                    "ranks with (0: the paper's rule)")
+                        description="vegas: each prefix slot ranks by the best score of "
+                                    "itself and this many slots before it (0: the paper's "
+                                    "rule)")
 
     def spec(self) -> SpecConfig:
         """The engine's configuration for these settings."""

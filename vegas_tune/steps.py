@@ -317,8 +317,8 @@ def _run_of(attrs: dict, gamma: int, batch: int) -> Run:
 def _point_fields(point: Point, search: Search) -> dict:
     spec = search.spec(point)
     return {"drafter": spec.drafter, "score": spec.score, "window": spec.window,
-            **({"spread": spec.spread} if spec.spread else {}),
-            "budget": point.budget, "gamma": point.gamma, "sparsity_ratio": spec.sparsity}
+            **spec.options_set(), "budget": point.budget, "gamma": point.gamma,
+            "sparsity_ratio": spec.sparsity}
 
 
 class Steps:
