@@ -6,6 +6,12 @@ profile's schedule decodes the same batch (``generate(..., spec=profile.spec_sch
 which follows the schedule as sequences finish and contexts grow), beside vanilla, in
 interleaved rounds, so that drift between rounds affects every method alike.
 
+A profile tuned at several contexts stands for the profiles tuned at each of them alone:
+``P.yaml@4000`` decodes with the band of ``P.yaml`` tuned at 4000 tokens, at every context
+(what a profile tuned at 4000 alone would run, except that its first point would have
+searched every selection rule, where the band searched those raced at the longest context
+and streaming).
+
 Workload: ``--batch-size`` prompts of the embedded dataset, prompt i cut to a length drawn
 log-uniformly between ``--min-ctx`` and ``--max-ctx`` (seeded: the same lengths for every
 method and round), ``--max-new-tokens`` each, greedy, EOS ignored. A prompt is the leading
@@ -20,7 +26,8 @@ profile's and over vanilla, round by round.
 
     python bench/profile_compare.py --device cuda --dtype bfloat16 --model gemma3-270m \\
         --min-ctx 4000 --max-ctx 32000 --batch-size 64 --max-new-tokens 128 \\
-        --profiles gemma3-4k-16k-32k.yaml gemma3-32k.yaml \\
+        --profiles gemma3-4k-16k-32k.yaml gemma3-4k-16k-32k.yaml@4000 \\
+        gemma3-4k-16k-32k.yaml@16000 gemma3-4k-16k-32k.yaml@32000 gemma3-32k.yaml \\
         --out runs/profile-compare-gemma3
 """
 
@@ -42,7 +49,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.acceptance import hardware, with_ext, write_atomic  # noqa: E402
 from bench.bench_args import add_model_args, add_output_args  # noqa: E402
-from vegas_core import VegasError, generate, load_model  # noqa: E402
+from vegas_core import SpecSchedule, VegasError, generate, load_model  # noqa: E402
+from vegas_core.schedule import ScheduleRange  # noqa: E402
 from vegas_tune.datasets import load_prompts  # noqa: E402
 from vegas_tune.profile import load_profile  # noqa: E402
 from vegas_tune.stats import estimate  # noqa: E402
@@ -63,6 +71,32 @@ def prompt_lengths(count: int, low: int, high: int, seed: int) -> list[int]:
             for _ in range(count)]
 
 
+def band_of(schedule: SpecSchedule, context: int, name: str) -> SpecSchedule:
+    """The entries of ``schedule`` tuned at ``context`` tokens, as a schedule of one band
+    (applied at every context): the profile tuned at that context alone."""
+    if not schedule.has_contexts:
+        raise VegasError(f"{name}: the profile was tuned at one context; drop the @{context}")
+    band = schedule.entry_for(1, context)
+    if not band.ctx_min <= context <= (band.ctx_max or context):
+        raise VegasError(f"{name}: no band holds context {context}")
+    return SpecSchedule(tuple(ScheduleRange(e.batch_min, e.batch_max, e.spec)
+                              for e in schedule.entries
+                              if (e.ctx_min, e.ctx_max) == (band.ctx_min, band.ctx_max)))
+
+
+def load_method(name: str) -> tuple[str, SpecSchedule]:
+    """``PATH`` (the profile's schedule) or ``PATH@CTX`` (its band tuned at ``CTX``): the
+    model id it was tuned for, and the schedule to decode with."""
+    path, context = name, ""
+    if "@" in name and not Path(name).exists():
+        path, _, context = name.rpartition("@")
+    if context and not context.isdigit():
+        raise VegasError(f"{name}: expected PATH or PATH@CONTEXT (a number of tokens)")
+    profile = load_profile(Path(path))
+    schedule = profile.spec_schedule()
+    return profile.model.id, band_of(schedule, int(context), name) if context else schedule
+
+
 def decode(model, ids: list[list[int]], spec, max_new_tokens: int) -> dict:
     s = generate(model, ids, max_new_tokens, spec=spec, ignore_eos=True).stats
     return {"tokens_per_second": s.tokens_per_second,
@@ -77,14 +111,15 @@ def interval(samples: list[float]) -> dict:
 
 def run(args) -> dict:
     model = load_model(args.model, device=args.device, dtype=args.dtype)
-    profiles = {str(path): load_profile(path) for path in args.profiles}
-    for path, profile in profiles.items():
-        if profile.model.id != model.label:
-            log(f"note: {path} was tuned for {profile.model.id}, decoding {model.label}")
+    schedules = {}
+    for name in args.profiles:
+        model_id, schedules[name] = load_method(name)
+        if model_id != model.label:
+            log(f"note: {name} was tuned for {model_id}, decoding {model.label}")
     lengths = prompt_lengths(args.batch_size, args.min_ctx, args.max_ctx, args.seed)
     full = load_prompts(model.tokenizer, args.dataset, args.max_ctx, args.batch_size)
     ids = [p.ids[:n] for p, n in zip(full, lengths)]
-    methods = {VANILLA: None, **{path: p.spec_schedule() for path, p in profiles.items()}}
+    methods = {VANILLA: None, **schedules}
     for name, spec in methods.items():
         t = time.perf_counter()
         decode(model, ids, spec, args.max_new_tokens)
@@ -138,8 +173,9 @@ def summarize(data: dict) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_args(p, dtype="auto")
-    p.add_argument("--profiles", nargs="+", type=Path, default=[],
-                   help="profiles to compare; the first is the reference")
+    p.add_argument("--profiles", nargs="+", default=[],
+                   help="profiles to compare (PATH, or PATH@CTX: the band of a profile of "
+                   "several contexts tuned at CTX); the first is the reference")
     p.add_argument("--dataset", default="mixed")
     p.add_argument("--min-ctx", type=int, default=256)
     p.add_argument("--max-ctx", type=int, default=1024)

@@ -364,6 +364,41 @@ def test_profiles_decode_the_same_mixed_lengths_side_by_side(tmp_path):
     assert refused.returncode == 2 and "--rounds must be at least 2" in refused.stderr
 
 
+def test_a_band_of_a_profile_of_several_contexts_decodes_as_a_profile_of_one(tmp_path):
+    """``P.yaml@CTX`` in bench/profile_compare.py: the entries P tuned at CTX, at every
+    context."""
+    import copy
+    import dataclasses
+
+    from bench.profile_compare import load_method
+    from tests.test_profile import _in_two_bands, sample_profile_dict
+    from vegas_core import VegasError
+    from vegas_tune.profile import profile_from_dict, write_profile
+
+    data = sample_profile_dict()
+    short = copy.deepcopy(data["schedule"])
+    for entry in short:  # at 4096 tokens: 64 slots where the 8192 band speculates
+        if isinstance(entry["config"], dict):
+            entry["config"]["min_tokens"] = 64
+    path = tmp_path / "two.yaml"
+    write_profile(profile_from_dict(_in_two_bands(data, short)), path)
+    _, whole = load_method(str(path))
+    _, band_4k = load_method(f"{path}@4096")
+    _, band_8k = load_method(f"{path}@8192")
+    assert whole.has_contexts and not band_4k.has_contexts
+    sizes = sorted({e.batch_min for e in whole.entries})
+    for size in sizes:
+        assert band_4k.for_batch(size, 8192) == whole.for_batch(size, 4096)
+        assert band_8k.for_batch(size, 100) == whole.for_batch(size, 8192)
+    assert band_4k.for_batch(sizes[-1], 8192) == dataclasses.replace(
+        band_8k.for_batch(sizes[-1]), min_tokens=64)  # the 4096 band, even at 8192
+    with pytest.raises(VegasError, match="PATH@CONTEXT"):
+        load_method(f"{path}@4k")
+    write_profile(profile_from_dict(sample_profile_dict()), tmp_path / "one.yaml")
+    with pytest.raises(VegasError, match="tuned at one context"):
+        load_method(f"{tmp_path / 'one.yaml'}@4096")
+
+
 def test_the_switch_bench_times_a_schedule_alternating_between_two_configurations(tmp_path):
     import json
     import subprocess
