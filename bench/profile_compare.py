@@ -110,10 +110,12 @@ def interval(samples: list[float]) -> dict:
 
 
 def run(args) -> dict:
-    model = load_model(args.model, device=args.device, dtype=args.dtype)
-    schedules = {}
+    # The profiles first: a bad one is refused before the model loads.
+    tuned_for, schedules = {}, {}
     for name in args.profiles:
-        model_id, schedules[name] = load_method(name)
+        tuned_for[name], schedules[name] = load_method(name)
+    model = load_model(args.model, device=args.device, dtype=args.dtype)
+    for name, model_id in tuned_for.items():
         if model_id != model.label:
             log(f"note: {name} was tuned for {model_id}, decoding {model.label}")
     lengths = prompt_lengths(args.batch_size, args.min_ctx, args.max_ctx, args.seed)
