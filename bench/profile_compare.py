@@ -76,12 +76,11 @@ def band_of(schedule: SpecSchedule, context: int, name: str) -> SpecSchedule:
     (applied at every context): the profile tuned at that context alone."""
     if not schedule.has_contexts:
         raise VegasError(f"{name}: the profile was tuned at one context; drop the @{context}")
-    band = schedule.entry_for(1, context)
-    if not band.ctx_min <= context <= (band.ctx_max or context):
+    band = tuple(ScheduleRange(e.batch_min, e.batch_max, e.spec) for e in schedule.entries
+                 if e.ctx_min <= context <= (e.ctx_max or context))
+    if not band:
         raise VegasError(f"{name}: no band holds context {context}")
-    return SpecSchedule(tuple(ScheduleRange(e.batch_min, e.batch_max, e.spec)
-                              for e in schedule.entries
-                              if (e.ctx_min, e.ctx_max) == (band.ctx_min, band.ctx_max)))
+    return SpecSchedule(band)
 
 
 def load_method(name: str) -> tuple[str, SpecSchedule]:
